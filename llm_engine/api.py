@@ -280,4 +280,8 @@ def serve(model=None, host="127.0.0.1", port=8000, api_key=None, served_model_na
     bm = aeng.engine.block_manager
     print(f"llm_engine: serving {served_model_name or aeng.engine.model_name} on http://{host}:{port}/v1 "
           f"({bm.num_blocks} KV blocks of {bm.block_size} tokens)", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            await super().shutdown(sockets)
+            self._captured_signals.clear()   # SIGTERM is the normal way to stop a server: exit 0 rather than re-raise it
+    _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
