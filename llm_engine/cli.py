@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(c)
     c.add_argument("--max-tokens", type=int, default=256); c.add_argument("--temperature", type=float, default=0.7)
     c.add_argument("--system", default=None, help="system prompt")
+    sub.add_parser("bench", help="benchmark against transformers' generate (see `llm-engine bench --help`)", add_help=False)
     return ap
 
 # %% ../nbs/11_cli.ipynb
@@ -62,6 +63,10 @@ def _stream(engine, prompt, params, out=None) -> str:
     out.write("\n"); return text
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        from llm_engine.bench import main as bench_main
+        return bench_main(argv[1:])
     a = build_parser().parse_args(argv)
     try:
         if a.cmd == "serve":
@@ -90,4 +95,5 @@ def main(argv=None):
     return 0
 
 # %% ../nbs/11_cli.ipynb
+#| eval: false
 if __name__ == "__main__": sys.exit(main())
