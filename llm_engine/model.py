@@ -16,7 +16,7 @@ from .attention import AttentionMetadata, store_kv, paged_attention
 
 # %% auto 0
 __all__ = ['DEFAULT_GGUF', 'LlamaAttention', 'LlamaDecoderLayer', 'Llama', 'load_weights', 'cache_root', 'default_gguf_path',
-           'convert_gguf', 'resolve_model', 'load_model', 'load_tokenizer', 'ModelRunner']
+           'convert_gguf', 'resolve_model', 'load_model', 'load_tokenizer', 'prepack_linears', 'ModelRunner']
 
 # %% ../nbs/05_model.ipynb
 class LlamaAttention(nn.Module):
@@ -181,11 +181,22 @@ def load_tokenizer(path):
     return AutoTokenizer.from_pretrained(path)
 
 # %% ../nbs/05_model.ipynb
+def prepack_linears(model: nn.Module) -> nn.Module:
+    "Replace every fp32 CPU `nn.Linear` by PyTorch's oneDNN-prepacked `MkldnnLinear` (idempotent)."
+    if not torch.backends.mkldnn.is_available(): return model
+    from torch.utils.mkldnn import MkldnnLinear
+    for name, mod in list(model.named_modules()):
+        for cname, child in list(mod.named_children()):
+            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+                setattr(mod, cname, MkldnnLinear(child, torch.float32))
+    return model
+
+# %% ../nbs/05_model.ipynb
 class ModelRunner:
     "Runs the model over a flat batch built from per-sequence work, on the paged KV cache it owns."
-    def __init__(self, model: Llama, num_blocks, block_size, num_cpu_blocks=0):
+    def __init__(self, model: Llama, num_blocks, block_size, num_cpu_blocks=0, prepack=True):
         mc, dt = model.config, model.embed_tokens.weight.dtype
-        self.model, self.block_size = model, block_size
+        self.model, self.block_size = prepack_linears(model) if prepack else model, block_size
         self.kv_cache = torch.zeros(mc.num_layers, 2, num_blocks, block_size, mc.num_kv_heads, mc.head_dim, dtype=dt)
         self.cpu_cache = torch.zeros(mc.num_layers, 2, num_cpu_blocks, block_size, mc.num_kv_heads, mc.head_dim, dtype=dt,
                                      pin_memory=torch.cuda.is_available())
@@ -194,7 +205,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, work) -> torch.Tensor:
         "`work`: `(token_ids, num_computed, block_table)` per sequence; returns logits `[len(work), vocab]` of each last token."
-        order = sorted(range(len(work)), key=lambda i: len(work[i][0]) == 1)
+        # prefills first; decodes by context length, so each padded decode group wastes little
+        order = sorted(range(len(work)), key=lambda i: (len(work[i][0]) == 1, work[i][1] if len(work[i][0]) == 1 else 0))
         ids, pos, qlens, clens, tables = [], [], [], [], []
         for i in order:
             toks, n0, bt = work[i]
