@@ -8,15 +8,17 @@ import hashlib, importlib.util, json, os, shutil
 from itertools import accumulate
 from pathlib import Path
 import torch
+import torch.nn.functional as F
 from torch import nn
 from .config import ModelConfig
-from .rope import RotaryEmbedding
+from .rope import RotaryEmbedding, apply_rope
 from .layers import RMSNorm, SwiGLU
 from .attention import AttentionMetadata, store_kv, paged_attention
 
 # %% auto 0
 __all__ = ['DEFAULT_GGUF', 'LlamaAttention', 'LlamaDecoderLayer', 'Llama', 'load_weights', 'cache_root', 'default_gguf_path',
-           'convert_gguf', 'resolve_model', 'load_model', 'load_tokenizer', 'prepack_linears', 'ModelRunner']
+           'convert_gguf', 'resolve_model', 'load_model', 'load_tokenizer', 'PackedLinear', 'prepack_linears',
+           'ModelRunner']
 
 # %% ../nbs/05_model.ipynb
 class LlamaAttention(nn.Module):
@@ -28,10 +30,10 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(mc.hidden_size, sum(self.sizes), bias=mc.attention_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, mc.hidden_size, bias=False)
         self.scale = self.hd ** -0.5
-    def forward(self, x, positions, rope, md: AttentionMetadata, k_cache, v_cache):
+    def forward(self, x, cos_sin, md: AttentionMetadata, k_cache, v_cache):
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q, k = rope(positions, q.view(T, self.nh, self.hd), k.view(T, self.nkv, self.hd))
+        q, k = apply_rope(q.view(T, self.nh, self.hd), *cos_sin), apply_rope(k.view(T, self.nkv, self.hd), *cos_sin)
         store_kv(k, v.view(T, self.nkv, self.hd), k_cache, v_cache, md.slot_mapping)
         return self.o_proj(paged_attention(q, k_cache, v_cache, md, self.scale).view(T, -1))
 
@@ -42,10 +44,10 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(mc)
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
         self.mlp = SwiGLU(mc.hidden_size, mc.intermediate_size)
-    def forward(self, x, residual, positions, rope, md, kv):
+    def forward(self, x, residual, cos_sin, md, kv):
         if residual is None: x, residual = self.input_layernorm(x), x
         else: x, residual = self.input_layernorm(x, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(x, positions, rope, md, *kv), residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos_sin, md, *kv), residual)
         return self.mlp(x), residual
 
 class Llama(nn.Module):
@@ -62,7 +64,8 @@ class Llama(nn.Module):
     def forward(self, input_ids, positions, md: AttentionMetadata, kv_caches):
         "Hidden states `[T, hidden]` for a flat batch; `kv_caches[i]` is layer i's `(k_cache, v_cache)`."
         x, residual = self.embed_tokens(input_ids), None
-        for layer, kv in zip(self.layers, kv_caches): x, residual = layer(x, residual, positions, self.rope, md, kv)
+        cos_sin = self.rope.cos_sin[positions].chunk(2, dim=-1)   # looked up once, used by every layer
+        for layer, kv in zip(self.layers, kv_caches): x, residual = layer(x, residual, cos_sin, md, kv)
         return self.norm(x, residual)[0]
     def compute_logits(self, hidden): return self.lm_head(hidden).float()
 
@@ -181,14 +184,31 @@ def load_tokenizer(path):
     return AutoTokenizer.from_pretrained(path)
 
 # %% ../nbs/05_model.ipynb
+class PackedLinear(nn.Module):
+    "A bias-optional linear layer whose weight is pre-reordered for oneDNN (CPU, fp32)."
+    def __init__(self, lin: nn.Linear, batch_hint=32):
+        super().__init__()
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), batch_hint), persistent=False)
+        self.register_buffer("bias", None if lin.bias is None else lin.bias.detach().clone(), persistent=False)
+    def forward(self, x): return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+def _packed_or_none(lin: nn.Linear):
+    try:
+        p = PackedLinear(lin)
+        x = torch.randn(3, lin.in_features)
+        with torch.no_grad(): ok = torch.allclose(p(x), F.linear(x, lin.weight, lin.bias), rtol=1e-4, atol=1e-4)
+        return p if ok else None
+    except (RuntimeError, AttributeError): return None
+
 def prepack_linears(model: nn.Module) -> nn.Module:
-    "Replace every fp32 CPU `nn.Linear` by PyTorch's oneDNN-prepacked `MkldnnLinear` (idempotent)."
+    "Replace every fp32 CPU `nn.Linear` by a `PackedLinear` where oneDNN is available (idempotent)."
     if not torch.backends.mkldnn.is_available(): return model
-    from torch.utils.mkldnn import MkldnnLinear
-    for name, mod in list(model.named_modules()):
+    for mod in list(model.modules()):
         for cname, child in list(mod.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
-                setattr(mod, cname, MkldnnLinear(child, torch.float32))
+                p = _packed_or_none(child)
+                if p is not None: setattr(mod, cname, p)
     return model
 
 # %% ../nbs/05_model.ipynb
@@ -214,7 +234,8 @@ class ModelRunner:
             qlens.append(len(toks)); clens.append(n0 + len(toks)); tables.append(bt)
         md = AttentionMetadata.build(qlens, clens, tables, self.block_size)
         hidden = self.model(torch.tensor(ids), torch.tensor(pos), md, self.layer_caches)
-        logits = self.model.compute_logits(hidden[torch.tensor(list(accumulate(qlens))) - 1])
-        out = torch.empty_like(logits)
-        out[torch.tensor(order)] = logits
-        return out
+        last = list(accumulate(qlens))                      # end of each row, in batch order
+        where = [0] * len(order)
+        for rank, i in enumerate(order): where[i] = last[rank] - 1
+        # pick the last hidden state of each row in the caller's order, so the logits need no reordering
+        return self.model.compute_logits(hidden[torch.tensor(where)])
