@@ -59,7 +59,7 @@ def bench_engine(llm, reqs):
     return _result("llm_engine", reqs, dt, steps=eng.num_steps - steps0, preemptions=eng.scheduler.num_preemptions)
 
 # %% ../nbs/12_benchmarks.ipynb
-def run_benchmark(n=32, hf_subset=8, seed=0, model=None, systems=("hf_sequential", "hf_static_batch8", "llm_engine"),
+def run_benchmark(n=32, hf_subset=None, seed=0, model=None, systems=("hf_sequential", "hf_static_batch8", "llm_engine"),
                   prompt_len=(20, 200), output_len=(64, 128), num_blocks=2048) -> dict:
     "Run the chosen systems side by side on one seeded workload; returns `{machine, workload, rows}`."
     import platform, os
@@ -73,8 +73,8 @@ def run_benchmark(n=32, hf_subset=8, seed=0, model=None, systems=("hf_sequential
         hf = LlamaForCausalLM.from_pretrained(llm.engine.model_path, dtype=torch.float32).eval()
         hf.generation_config.eos_token_id = None
     for s in systems:
-        if s == "hf_sequential": rows.append(bench_hf_sequential(hf, reqs[:hf_subset]))
-        elif s.startswith("hf_static_batch"): rows.append(bench_hf_static(hf, reqs[:max(hf_subset, 8)], int(s.removeprefix("hf_static_batch"))))
+        if s == "hf_sequential": rows.append(bench_hf_sequential(hf, reqs[:hf_subset or n]))
+        elif s.startswith("hf_static_batch"): rows.append(bench_hf_static(hf, reqs[:hf_subset or n], int(s.removeprefix("hf_static_batch"))))
         elif s == "llm_engine": rows.append(bench_engine(llm, reqs))
     base = next((r["tok_s"] for r in rows if r["system"] == "hf_sequential"), None)
     for r in rows: r["speedup_vs_hf_sequential"] = round(r["tok_s"] / base, 2) if base else None
@@ -91,7 +91,7 @@ def main(argv=None):
     "`llm-engine bench`: print the table and write the JSON."
     import argparse
     ap = argparse.ArgumentParser(prog="llm-engine bench")
-    ap.add_argument("--requests", type=int, default=32); ap.add_argument("--hf-subset", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=32); ap.add_argument("--hf-subset", type=int, default=None, help="run the transformers baselines on the first K requests only (default: all)")
     ap.add_argument("--seed", type=int, default=0); ap.add_argument("--model", default=None)
     ap.add_argument("--quick", action="store_true", help="tiny workload, to check the harness runs")
     ap.add_argument("--out", default="bench_results/bench.json")
