@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_api.ipynb 3
 from __future__ import annotations
-import asyncio, json, time, uuid
+import asyncio, contextlib, json, time, uuid
 from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -103,7 +103,13 @@ def build_app(aeng: AsyncLLMEngine, served_model_name=None, api_key=None, max_bo
     "The OpenAI-compatible FastAPI app over a running `AsyncLLMEngine`."
     eng = aeng.engine
     tok, name = eng.tokenizer, served_model_name or eng.model_name
-    app = FastAPI(title="llm_engine", version="0.1.0")
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        n = len(eng.requests)
+        await asyncio.to_thread(aeng.shutdown)    # cancel what is still in flight, free its blocks
+        print(f"llm_engine: shut down; {n} unfinished requests cancelled, {eng.block_manager.num_used_blocks} KV blocks in use", flush=True)
+    app = FastAPI(title="llm_engine", version="0.1.0", lifespan=lifespan)
     app.state.aeng = aeng
     if cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
@@ -195,6 +201,9 @@ def build_app(aeng: AsyncLLMEngine, served_model_name=None, api_key=None, max_bo
                     yield first
                     async for o in gen: yield o
                 async for out in outs():
+                    if out.error:     # the engine failed this request mid-stream: say so in OpenAI's shape, then end
+                        yield _sse({"error": {"message": out.error, "type": "internal_error", "param": None, "code": None}})
+                        break
                     for c in out.outputs:
                         new, k = c.text[sent.get(c.index, 0):], ntok.get(c.index, 0)
                         done = c.finish_reason is not None and c.index not in sent.get("done", ())
@@ -246,6 +255,9 @@ def build_app(aeng: AsyncLLMEngine, served_model_name=None, api_key=None, max_bo
                 while live:
                     pi, o = await q.get()
                     if o is None: live -= 1; continue
+                    if o.error:
+                        yield _sse({"error": {"message": o.error, "type": "internal_error", "param": None, "code": None}})
+                        break
                     last[pi] = o
                     for c in o.outputs:
                         key = (pi, c.index)
@@ -269,14 +281,13 @@ def build_app(aeng: AsyncLLMEngine, served_model_name=None, api_key=None, max_bo
 def _reason(c): return {"abort": "stop", "error": "stop"}.get(c.finish_reason, c.finish_reason)
 
 # %% ../nbs/10_api.ipynb
-def serve(model=None, host="127.0.0.1", port=8000, api_key=None, served_model_name=None, log_level="info", **engine_kw):
+def serve(model=None, host="127.0.0.1", port=8000, api_key=None, served_model_name=None, log_level="info", max_body_bytes=4 * 2**20, **engine_kw):
     "Start the OpenAI-compatible server (blocking)."
     import uvicorn
     from llm_engine.engine import LLMEngine
     from llm_engine.config import EngineConfig
     aeng = AsyncLLMEngine(LLMEngine(EngineConfig.create(model=model, **engine_kw))).start()
-    app = build_app(aeng, served_model_name, api_key)
-    app.router.on_shutdown.append(aeng.shutdown)
+    app = build_app(aeng, served_model_name, api_key, max_body_bytes)
     bm = aeng.engine.block_manager
     print(f"llm_engine: serving {served_model_name or aeng.engine.model_name} on http://{host}:{port}/v1 "
           f"({bm.num_blocks} KV blocks of {bm.block_size} tokens)", flush=True)
@@ -284,4 +295,5 @@ def serve(model=None, host="127.0.0.1", port=8000, api_key=None, served_model_na
         async def shutdown(self, sockets=None):
             await super().shutdown(sockets)
             self._captured_signals.clear()   # SIGTERM is the normal way to stop a server: exit 0 rather than re-raise it
-    _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
+    # on SIGTERM, streams still open after 10 s are cut; the engine's shutdown then cancels their requests
+    _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)).run()

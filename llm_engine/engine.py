@@ -247,6 +247,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine, self._lock, self._wake = engine, threading.Lock(), threading.Event()
         self._streams: dict = {}       # request id -> (loop, asyncio.Queue)
+        self._aborts = deque()          # request ids to cancel before the next step
         self._stop, self._thread, self.errors = False, None, 0
 
     def start(self):
@@ -263,8 +264,13 @@ class AsyncLLMEngine:
         try: loop.call_soon_threadsafe(q.put_nowait, out)
         except RuntimeError: pass      # the client's loop is gone
 
+    def _drain_aborts(self):
+        with self._lock:
+            while self._aborts: self.engine.abort(self._aborts.popleft())
+
     def _run(self):
         while not self._stop:
+            self._drain_aborts()
             if not self.engine.has_unfinished():
                 self._wake.wait(0.5); self._wake.clear(); continue
             with self._lock:
@@ -278,9 +284,8 @@ class AsyncLLMEngine:
         "Async iterator of cumulative `RequestOutput`s for one request; bad input raises before the first yield."
         rid = request_id or uuid.uuid4().hex
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
-        with self._lock:
-            self.engine.add_request(rid, prompt, params, priority)
-            self._streams[rid] = (loop, q)
+        # tokenizing and waiting for the lock (held for a whole step) happen off the event loop
+        await asyncio.to_thread(self._add, rid, prompt, params, priority, loop, q)
         self._wake.set()
         finished = False
         try:
@@ -291,15 +296,21 @@ class AsyncLLMEngine:
         finally:
             if not finished: self.abort(rid)
 
-    def abort(self, request_id):
+    def _add(self, rid, prompt, params, priority, loop, q):
         with self._lock:
-            self._streams.pop(request_id, None)
-            self.engine.abort(request_id)
+            self.engine.add_request(rid, prompt, params, priority)
+            self._streams[rid] = (loop, q)
+
+    def abort(self, request_id):
+        "Cancel a request without blocking the caller: the loop thread frees it before its next step."
+        self._streams.pop(request_id, None)
+        self._aborts.append(request_id); self._wake.set()
 
     def shutdown(self):
         "Stop the loop and cancel whatever is still in flight (freeing its blocks)."
         self._stop = True; self._wake.set()
         if self._thread: self._thread.join(timeout=30)
+        self._drain_aborts()
         with self._lock:
             for rid in list(self.engine.requests):
                 out = self.engine.abort(rid)
