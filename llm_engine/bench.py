@@ -9,8 +9,9 @@ from dataclasses import dataclass, asdict
 import torch
 
 # %% auto 0
-__all__ = ['Request', 'make_workload', 'bench_hf_sequential', 'bench_hf_static', 'bench_engine', 'run_benchmark', 'format_table',
-           'main']
+__all__ = ['OFFLINE_COLS', 'HTTP_COLS', 'Request', 'make_workload', 'bench_hf_sequential', 'bench_hf_static', 'bench_engine',
+           'run_benchmark', 'format_table', 'main', 'ServerProcess', 'bench_http', 'llama_cpp_available',
+           'run_http_sweep', 'plot_sweep']
 
 # %% ../nbs/12_benchmarks.ipynb
 @dataclass
@@ -25,7 +26,10 @@ def make_workload(n=32, prompt_len=(20, 200), output_len=(64, 128), seed=0, voca
 
 def _result(name, reqs, seconds, **extra):
     toks = sum(r.max_tokens for r in reqs)
-    return dict(system=name, requests=len(reqs), output_tokens=toks, seconds=round(seconds, 2), tok_s=round(toks / seconds, 1), **extra)
+    import resource
+    rss = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)   # this process's high-water mark so far
+    return dict(system=name, requests=len(reqs), output_tokens=toks, seconds=round(seconds, 2), tok_s=round(toks / seconds, 1),
+                peak_rss_mb=rss, **extra)
 
 def bench_hf_sequential(hf, reqs):
     t = time.perf_counter()
@@ -81,8 +85,11 @@ def run_benchmark(n=32, hf_subset=None, seed=0, model=None, systems=("hf_sequent
     return dict(machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads",
                 workload=dict(requests=n, prompt_len=prompt_len, output_len=output_len, seed=seed, hf_subset=hf_subset), rows=rows)
 
-def format_table(res) -> str:
-    cols = ["system", "requests", "output_tokens", "seconds", "tok_s", "speedup_vs_hf_sequential"]
+OFFLINE_COLS = ["system", "requests", "output_tokens", "seconds", "tok_s", "speedup_vs_hf_sequential", "peak_rss_mb"]
+HTTP_COLS = ["system", "concurrency", "requests", "output_tokens", "seconds", "tok_s", "ttft_ms_p50", "ttft_ms_p99",
+             "tpot_ms_p50", "tpot_ms_p99", "peak_rss_mb", "kv_blocks_peak"]
+
+def format_table(res, cols=OFFLINE_COLS) -> str:
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     lines += [" | ".join(str(r.get(c, "")) for c in cols) for r in res["rows"]]
     return "\n".join(lines)
@@ -95,10 +102,138 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0); ap.add_argument("--model", default=None)
     ap.add_argument("--quick", action="store_true", help="tiny workload, to check the harness runs")
     ap.add_argument("--out", default="bench_results/bench.json")
+    ap.add_argument("--no-http", action="store_true", help="skip the HTTP servers and the concurrency sweep")
     a = ap.parse_args(argv)
     kw = dict(n=4, hf_subset=2, prompt_len=(10, 20), output_len=(4, 8)) if a.quick else dict(n=a.requests, hf_subset=a.hf_subset)
     res = run_benchmark(seed=a.seed, model=a.model, **kw)
     print(res["machine"]); print(format_table(res))
+    if not a.no_http:
+        # --quick checks the harness only: two tiny points, our server alone
+        sw = dict(concurrencies=(1, 2), min_requests=2, prompt_len=(10, 20), output_len=(4, 8), with_llama_cpp=False) if a.quick else {}
+        res["http"] = run_http_sweep(seed=a.seed, model=a.model, **sw)
+        print(format_table({"rows": res["http"]}, HTTP_COLS))
+        if not llama_cpp_available() and not a.quick: print("llama.cpp: not installed (pip install 'llama-cpp-python[server]'), skipped")
     from pathlib import Path
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True); Path(a.out).write_text(json.dumps(res, indent=2))
+    out = Path(a.out); out.parent.mkdir(parents=True, exist_ok=True); out.write_text(json.dumps(res, indent=2))
+    if res.get("http"):
+        import matplotlib; matplotlib.use("Agg")
+        plot_sweep(res["http"])[0].figure.savefig(out.with_suffix(".png"), dpi=120, bbox_inches="tight")
+    print(f"wrote {out}")
     return 0
+
+# %% ../nbs/12_benchmarks.ipynb
+import asyncio, os, socket, subprocess, sys
+import httpx
+from .metrics import percentiles
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
+
+def _peak_rss_mb(pid):
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmHWM"): return round(int(line.split()[1]) / 1024)
+    except OSError: return None
+
+class ServerProcess:
+    "A server started as a subprocess on a free loopback port, stopped on exit."
+    def __init__(self, cmd, health="/health", timeout=600):
+        self.port = _free_port(); self.base = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([c.replace("{port}", str(self.port)) for c in cmd], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None: raise RuntimeError(f"{cmd[:4]} exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.base + health, timeout=2).status_code == 200: return
+            except httpx.HTTPError: time.sleep(0.5)
+        self.close(); raise RuntimeError(f"{cmd[:4]} did not start in {timeout} s")
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try: self.proc.wait(30)
+            except subprocess.TimeoutExpired: self.proc.kill()
+    def __enter__(self): return self
+    def __exit__(self, *a): self.close()
+
+async def _drive(base, prompts, max_tokens, concurrency, body_extra, stats=False):
+    "Stream every prompt through `/v1/completions` with `concurrency` clients; per-request timings and KV peak."
+    queue = list(zip(prompts, max_tokens))[::-1]
+    results, kv_peak, done = [], 0, asyncio.Event()
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as c:
+        async def client():
+            while queue:
+                prompt, mt = queue.pop()
+                t0, stamps, usage = time.perf_counter(), [], None
+                body = {"prompt": prompt, "max_tokens": mt, "temperature": 0, "stream": True,
+                        "stream_options": {"include_usage": True}, **body_extra}
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line.strip() == "data: [DONE]": continue
+                        d = json.loads(line[6:])
+                        if d.get("usage"): usage = d["usage"]["completion_tokens"]
+                        if any(ch.get("text") for ch in d.get("choices") or []): stamps.append(time.perf_counter())
+                n = usage or len(stamps)
+                results.append(dict(ttft=stamps[0] - t0 if stamps else None, tokens=n,
+                                    tpot=(stamps[-1] - stamps[0]) / (n - 1) if stamps and n > 1 else None))
+        async def poll():
+            nonlocal kv_peak
+            while not done.is_set():
+                try: kv_peak = max(kv_peak, (await c.get("/v1/stats")).json()["kv_blocks_used"])
+                except (httpx.HTTPError, KeyError, ValueError): pass
+                await asyncio.sleep(0.2)
+        poller = asyncio.create_task(poll()) if stats else None
+        await asyncio.gather(*[client() for _ in range(concurrency)])
+        done.set()
+        if poller: await poller
+    return results, (kv_peak if stats else None)
+
+def bench_http(name, server: ServerProcess, reqs, tokenizer, concurrency, body_extra=None, stats=False):
+    "One system over HTTP at one concurrency: tokens/s, TTFT and TPOT percentiles, peak RSS, KV peak."
+    prompts = [tokenizer.decode(r.prompt_token_ids) for r in reqs]
+    t = time.perf_counter()
+    res, kv_peak = asyncio.run(_drive(server.base, prompts, [r.max_tokens for r in reqs], concurrency, body_extra or {}, stats))
+    dt = time.perf_counter() - t
+    toks = sum(r["tokens"] for r in res)
+    ttft, tpot = percentiles([r["ttft"] for r in res], (50, 99)), percentiles([r["tpot"] for r in res], (50, 99))
+    ms = lambda v: None if v is None else round(v * 1e3, 1)
+    return dict(system=name, concurrency=concurrency, requests=len(reqs), output_tokens=toks, seconds=round(dt, 2),
+                tok_s=round(toks / dt, 1), ttft_ms_p50=ms(ttft[50]), ttft_ms_p99=ms(ttft[99]), tpot_ms_p50=ms(tpot[50]),
+                tpot_ms_p99=ms(tpot[99]), peak_rss_mb=_peak_rss_mb(server.proc.pid), kv_blocks_peak=kv_peak)
+
+def llama_cpp_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("llama_cpp") is not None and importlib.util.find_spec("sse_starlette") is not None
+
+def run_http_sweep(concurrencies=(1, 4, 16, 64), seed=0, model=None, prompt_len=(20, 200), output_len=(64, 128),
+                   per_client=2, min_requests=8, num_blocks=4096, with_llama_cpp=True) -> list[dict]:
+    "Our server and (where installed) llama.cpp's, at each concurrency, on `max(per_client*c, min_requests)` requests."
+    from llm_engine.model import resolve_model, load_tokenizer, default_gguf_path
+    tok = load_tokenizer(resolve_model(model))
+    rows = []
+    ours = [sys.executable, "-m", "llm_engine.cli", "serve", "--port", "{port}", "--log-level", "warning",
+            "--num-blocks", str(num_blocks), "--max-num-seqs", str(max(concurrencies))] + (["--model", str(model)] if model else [])
+    with ServerProcess(ours) as srv:
+        for c in concurrencies:
+            reqs = make_workload(max(per_client * c, min_requests), prompt_len, output_len, seed)
+            rows.append(bench_http("llm_engine_server", srv, reqs, tok, c, {"ignore_eos": True}, stats=True))
+    if with_llama_cpp and llama_cpp_available() and model is None:
+        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(default_gguf_path()), "--host", "127.0.0.1",
+               "--port", "{port}", "--n_ctx", "4096", "--n_threads", str(os.cpu_count())]
+        with ServerProcess(cmd, health="/v1/models") as srv:
+            for c in concurrencies:
+                reqs = make_workload(max(per_client * c, min_requests), prompt_len, output_len, seed)
+                rows.append(bench_http("llama_cpp_server", srv, reqs, tok, c))
+    return rows
+
+def plot_sweep(rows, ax=None):
+    "Throughput against concurrency, one line per system."
+    import matplotlib.pyplot as plt
+    if ax is None: _, ax = plt.subplots(1, 2, figsize=(11, 3.5))
+    for name in dict.fromkeys(r["system"] for r in rows):
+        rs = [r for r in rows if r["system"] == name]
+        ax[0].plot([r["concurrency"] for r in rs], [r["tok_s"] for r in rs], marker="o", label=name)
+        ax[1].plot([r["concurrency"] for r in rs], [r["ttft_ms_p50"] for r in rs], marker="o", label=f"{name} TTFT p50")
+        ax[1].plot([r["concurrency"] for r in rs], [r["ttft_ms_p99"] for r in rs], marker="x", ls="--", label=f"{name} TTFT p99")
+    for a, t in zip(ax, ("output tokens/s", "ms")): a.set_xscale("log", base=2); a.set_xlabel("concurrent clients"); a.set_ylabel(t); a.legend(fontsize=7)
+    return ax
