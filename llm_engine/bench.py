@@ -206,7 +206,7 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None and importlib.util.find_spec("sse_starlette") is not None
 
 def run_http_sweep(concurrencies=(1, 4, 16, 64), seed=0, model=None, prompt_len=(20, 200), output_len=(64, 128),
-                   per_client=2, min_requests=8, num_blocks=4096, with_llama_cpp=True) -> list[dict]:
+                   per_client=2, min_requests=8, num_blocks=1024, with_llama_cpp=True, llama_max_requests=16) -> list[dict]:
     "Our server and (where installed) llama.cpp's, at each concurrency, on `max(per_client*c, min_requests)` requests."
     from llm_engine.model import resolve_model, load_tokenizer, default_gguf_path
     tok = load_tokenizer(resolve_model(model))
@@ -219,10 +219,12 @@ def run_http_sweep(concurrencies=(1, 4, 16, 64), seed=0, model=None, prompt_len=
             rows.append(bench_http("llm_engine_server", srv, reqs, tok, c, {"ignore_eos": True}, stats=True))
     if with_llama_cpp and llama_cpp_available() and model is None:
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(default_gguf_path()), "--host", "127.0.0.1",
-               "--port", "{port}", "--n_ctx", "4096", "--n_threads", str(os.cpu_count())]
+               "--port", "{port}", "--n_ctx", "4096", "--n_threads", str(os.cpu_count()),
+               "--interrupt_requests", "False"]   # by default a new request cancels the one being streamed
         with ServerProcess(cmd, health="/v1/models") as srv:
             for c in concurrencies:
-                reqs = make_workload(max(per_client * c, min_requests), prompt_len, output_len, seed)
+                # its server runs one request at a time, so more requests only lengthen the run
+                reqs = make_workload(min(max(per_client * c, min_requests), llama_max_requests), prompt_len, output_len, seed)
                 rows.append(bench_http("llama_cpp_server", srv, reqs, tok, c))
     return rows
 
