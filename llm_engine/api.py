@@ -141,11 +141,11 @@ def build_app(aeng: AsyncLLMEngine, served_model_name=None, api_key=None, max_bo
         if m is not None and m not in (name, eng.model_name):
             raise APIError(400, f"The model `{m}` does not exist. This server serves `{name}`.", param="model", code="model_not_found")
 
-    async def start(prompt, params, priority):
+    async def start(prompt, params, priority, param):
         "Open an engine stream and fetch its first output, so bad input and a full queue fail before any byte is sent."
         gen = aeng.generate(prompt, params, request_id=f"req-{uuid.uuid4().hex}", priority=priority)
         try: first = await gen.__anext__()
-        except ValueError as e: raise APIError(400, str(e), param="messages" if isinstance(prompt, str) else "prompt", code="invalid_value") from None
+        except ValueError as e: raise APIError(400, str(e), param=param, code="invalid_value") from None
         except QueueFull as e: raise APIError(503, str(e), "server_overloaded", code="queue_full") from None
         return first, gen
 
@@ -184,7 +184,7 @@ def build_app(aeng: AsyncLLMEngine, served_model_name=None, api_key=None, max_bo
             params = sampling_params(req, (req.top_logprobs or 0) if req.logprobs else None)
         except ValueError as e: raise APIError(400, str(e), code="invalid_value") from None
         except Exception as e: raise APIError(400, f"Could not render the messages with the chat template: {e}", param="messages") from None
-        first, gen = await start(prompt, params, req.priority)
+        first, gen = await start(prompt, params, req.priority, "messages")
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         def lp(c): return chat_logprobs(tok, c.token_ids, c.logprobs, req.top_logprobs) if req.logprobs and c.logprobs is not None else None
         if not req.stream:
@@ -230,7 +230,7 @@ def build_app(aeng: AsyncLLMEngine, served_model_name=None, api_key=None, max_bo
         except ValueError as e: raise APIError(400, str(e), code="invalid_value") from None
         started = []
         try:
-            for p in prompts: started.append(await start(p, params, req.priority))
+            for p in prompts: started.append(await start(p, params, req.priority, "prompt"))
         except APIError:
             for _, g in started: await g.aclose()
             raise
