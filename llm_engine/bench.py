@@ -137,22 +137,26 @@ def _peak_rss_mb(pid):
     except OSError: return None
 
 class ServerProcess:
-    "A server started as a subprocess on a free loopback port, stopped on exit."
-    def __init__(self, cmd, health="/health", timeout=600):
+    "A server started as a subprocess on a free loopback port (`{port}` in `cmd`), stopped on exit; the tests use it too."
+    def __init__(self, cmd, health="/health", timeout=600, capture_output=False):
         self.port = _free_port(); self.base = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([c.replace("{port}", str(self.port)) for c in cmd], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        out = subprocess.PIPE if capture_output else subprocess.DEVNULL
+        self.proc = subprocess.Popen([c.replace("{port}", str(self.port)) for c in cmd], stdout=out, stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if self.proc.poll() is not None: raise RuntimeError(f"{cmd[:4]} exited with {self.proc.returncode}")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{cmd[:4]} exited with {self.proc.returncode}: {self.proc.stdout.read() if capture_output else ''}")
             try:
                 if httpx.get(self.base + health, timeout=2).status_code == 200: return
-            except httpx.HTTPError: time.sleep(0.5)
+            except httpx.HTTPError: time.sleep(0.3)
         self.close(); raise RuntimeError(f"{cmd[:4]} did not start in {timeout} s")
-    def close(self):
+    def close(self) -> int:
+        "SIGTERM (SIGKILL after 30 s); returns the exit code."
         if self.proc.poll() is None:
             self.proc.terminate()
             try: self.proc.wait(30)
-            except subprocess.TimeoutExpired: self.proc.kill()
+            except subprocess.TimeoutExpired: self.proc.kill(); self.proc.wait()
+        return self.proc.returncode
     def __enter__(self): return self
     def __exit__(self, *a): self.close()
 

@@ -216,7 +216,7 @@ def _output(self: LLMEngine, req: _Request) -> RequestOutput:
         text = s.output_text
         if not s.is_finished and s.params.stop:
             text = text[:max(0, len(text) - max(map(len, s.params.stop)) + 1)]   # might be the start of a stop string
-        outs.append(CompletionOutput(s.index, text, s.output_token_ids, s.finish_reason, getattr(s, "stop_reason", None),
+        outs.append(CompletionOutput(s.index, text, s.output_token_ids, s.finish_reason, s.stop_reason,
                                      list(s.logprobs) if s.params.logprobs is not None else None,
                                      s.cumulative_logprob if s.params.logprobs is not None else None))
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished or req.error is not None

@@ -64,7 +64,7 @@ class Llama(nn.Module):
     def forward(self, input_ids, positions, md: AttentionMetadata, kv_caches):
         "Hidden states `[T, hidden]` for a flat batch; `kv_caches[i]` is layer i's `(k_cache, v_cache)`."
         x, residual = self.embed_tokens(input_ids), None
-        cos_sin = self.rope.cos_sin[positions].chunk(2, dim=-1)   # looked up once, used by every layer
+        cos_sin = self.rope.lookup(positions)   # once per step, shared by every layer
         for layer, kv in zip(self.layers, kv_caches): x, residual = layer(x, residual, cos_sin, md, kv)
         return self.norm(x, residual)[0]
     def compute_logits(self, hidden): return self.lm_head(hidden).float()

@@ -47,6 +47,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         cos, sin = rope_cos_sin(head_dim, max_pos, theta, scaling)
         self.register_buffer("cos_sin", torch.cat([cos, sin], dim=-1), persistent=False)
+    def lookup(self, positions):
+        "`(cos, sin)` rows for each token's position; the model looks them up once per step for all its layers."
+        return self.cos_sin[positions].chunk(2, dim=-1)
     def forward(self, positions, q, k):
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)
+        cos, sin = self.lookup(positions)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -25,7 +25,7 @@ class Sequence:
         self.prompt_token_ids, self.token_ids = list(prompt_token_ids), list(prompt_token_ids)
         self.params, self.priority, self.generator = params, priority, generator
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
-        self.status, self.finish_reason, self.num_computed = SeqStatus.WAITING, None, 0
+        self.status, self.finish_reason, self.stop_reason, self.num_computed = SeqStatus.WAITING, None, None, 0
         self.first_scheduled_time = self.first_token_time = self.last_token_time = None
         self.num_cached_tokens = 0
         self.output_text, self.logprobs, self.cumulative_logprob = "", [], 0.0
