@@ -23,11 +23,14 @@ def _engine_args(p):
     g.add_argument("--max-waiting", type=int, default=1024, help="queued requests before new ones get 503")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--attention-backend", choices=["auto", "cpp", "torch"], default="auto",
+                   help="decode attention: C++ kernel over the paged cache, PyTorch gather + SDPA, or auto (kernel if it compiles)")
 
 def _engine_kw(a) -> dict:
     return dict(num_blocks=a.num_blocks, kv_cache_memory=a.kv_cache_memory, block_size=a.block_size, swap_space=a.swap_space,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-                max_waiting=a.max_waiting, enable_prefix_caching=not a.no_prefix_caching, num_threads=a.threads)
+                max_waiting=a.max_waiting, enable_prefix_caching=not a.no_prefix_caching, num_threads=a.threads,
+                attention_backend=a.attention_backend)
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="llm-engine", description="A vLLM-style inference engine and OpenAI-compatible server.")

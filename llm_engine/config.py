@@ -131,6 +131,7 @@ class EngineConfig:
     dtype: str = "float32"
     seed: int = 0
     num_threads: int|None = None
+    attention_backend: str = "auto"    # decode attention: "cpp" (in-place C++ kernel), "torch" (gather + SDPA), or "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -94,7 +94,7 @@ class LLMEngine:
         mc, nbytes = self.model.config, torch.finfo(dtype).bits // 8
         num_blocks = cfg.cache.resolve_num_blocks(mc, nbytes)
         num_cpu = cfg.cache.resolve_num_cpu_blocks(mc, nbytes)
-        self.runner = ModelRunner(self.model, num_blocks, cfg.cache.block_size, num_cpu)
+        self.runner = ModelRunner(self.model, num_blocks, cfg.cache.block_size, num_cpu, attention_backend=cfg.attention_backend)
         self.block_manager = BlockManager(num_blocks, cfg.cache.block_size, num_cpu, cfg.cache.enable_prefix_caching,
                                           kv_cache=self.runner.kv_cache, cpu_cache=self.runner.cpu_cache)
         self.scheduler = Scheduler(cfg.scheduler, self.block_manager)

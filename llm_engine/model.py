@@ -13,7 +13,7 @@ from torch import nn
 from .config import ModelConfig
 from .rope import RotaryEmbedding, apply_rope
 from .layers import RMSNorm, SwiGLU
-from .attention import AttentionMetadata, store_kv, paged_attention
+from .attention import AttentionMetadata, store_kv, paged_attention, resolve_attention_backend
 
 # %% auto 0
 __all__ = ['DEFAULT_GGUF', 'LlamaAttention', 'LlamaDecoderLayer', 'Llama', 'load_weights', 'cache_root', 'default_gguf_path',
@@ -214,9 +214,10 @@ def prepack_linears(model: nn.Module) -> nn.Module:
 # %% ../nbs/05_model.ipynb
 class ModelRunner:
     "Runs the model over a flat batch built from per-sequence work, on the paged KV cache it owns."
-    def __init__(self, model: Llama, num_blocks, block_size, num_cpu_blocks=0, prepack=True):
+    def __init__(self, model: Llama, num_blocks, block_size, num_cpu_blocks=0, prepack=True, attention_backend="auto"):
         mc, dt = model.config, model.embed_tokens.weight.dtype
         self.model, self.block_size = prepack_linears(model) if prepack else model, block_size
+        self.attention_backend = resolve_attention_backend(attention_backend, dt, model.embed_tokens.weight.device)
         self.kv_cache = torch.zeros(mc.num_layers, 2, num_blocks, block_size, mc.num_kv_heads, mc.head_dim, dtype=dt)
         self.cpu_cache = torch.zeros(mc.num_layers, 2, num_cpu_blocks, block_size, mc.num_kv_heads, mc.head_dim, dtype=dt,
                                      pin_memory=torch.cuda.is_available())
@@ -225,14 +226,14 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, work) -> torch.Tensor:
         "`work`: `(token_ids, num_computed, block_table)` per sequence; returns logits `[len(work), vocab]` of each last token."
-        # prefills first; decodes by context length, so each padded decode group wastes little
+        # prefills first; decodes by context length, so each padded group of the torch decode path wastes little
         order = sorted(range(len(work)), key=lambda i: (len(work[i][0]) == 1, work[i][1] if len(work[i][0]) == 1 else 0))
         ids, pos, qlens, clens, tables = [], [], [], [], []
         for i in order:
             toks, n0, bt = work[i]
             ids += toks; pos += range(n0, n0 + len(toks))
             qlens.append(len(toks)); clens.append(n0 + len(toks)); tables.append(bt)
-        md = AttentionMetadata.build(qlens, clens, tables, self.block_size)
+        md = AttentionMetadata.build(qlens, clens, tables, self.block_size, decode_backend=self.attention_backend)
         hidden = self.model(torch.tensor(ids), torch.tensor(pos), md, self.layer_caches)
         last = list(accumulate(qlens))                      # end of each row, in batch order
         where = [0] * len(order)
