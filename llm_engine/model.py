@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_model.ipynb 3
 from __future__ import annotations
-import hashlib, importlib.util, json, os, shutil
+import ctypes, ctypes.util, hashlib, importlib.util, json, os, shutil
 from itertools import accumulate
 from pathlib import Path
 import torch
@@ -18,7 +18,7 @@ from .attention import AttentionMetadata, store_kv, paged_attention, resolve_att
 # %% auto 0
 __all__ = ['DEFAULT_GGUF', 'LlamaAttention', 'LlamaDecoderLayer', 'Llama', 'load_weights', 'cache_root', 'default_gguf_path',
            'convert_gguf', 'resolve_model', 'load_model', 'load_tokenizer', 'PackedLinear', 'prepack_linears',
-           'ModelRunner']
+           'keep_freed_memory', 'ModelRunner']
 
 # %% ../nbs/05_model.ipynb
 class LlamaAttention(nn.Module):
@@ -212,12 +212,21 @@ def prepack_linears(model: nn.Module) -> nn.Module:
     return model
 
 # %% ../nbs/05_model.ipynb
+def keep_freed_memory() -> bool:
+    "Ask glibc to keep freed blocks up to 32 MiB in the heap instead of returning them to the OS; False where unsupported."
+    try: libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError: return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return hasattr(libc, "mallopt") and bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
+
+# %% ../nbs/05_model.ipynb
 class ModelRunner:
     "Runs the model over a flat batch built from per-sequence work, on the paged KV cache it owns."
     def __init__(self, model: Llama, num_blocks, block_size, num_cpu_blocks=0, prepack=True, attention_backend="auto"):
         mc, dt = model.config, model.embed_tokens.weight.dtype
         self.model, self.block_size = prepack_linears(model) if prepack else model, block_size
         self.attention_backend = resolve_attention_backend(attention_backend, dt, model.embed_tokens.weight.device)
+        keep_freed_memory()
         self.kv_cache = torch.zeros(mc.num_layers, 2, num_blocks, block_size, mc.num_kv_heads, mc.head_dim, dtype=dt)
         self.cpu_cache = torch.zeros(mc.num_layers, 2, num_cpu_blocks, block_size, mc.num_kv_heads, mc.head_dim, dtype=dt,
                                      pin_memory=torch.cuda.is_available())
