@@ -6,9 +6,11 @@
 from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache, cached_property
-import hashlib, warnings
+import hashlib, os, platform, tempfile, warnings
+from pathlib import Path
 import torch
 import torch.nn.functional as F
+from .config import cache_root
 
 # %% auto 0
 __all__ = ['DECODE_KERNEL_SRC', 'AttentionMetadata', 'store_kv', 'paged_attention', 'decode_attention', 'load_decode_kernel',
@@ -211,13 +213,28 @@ TORCH_LIBRARY(llm_engine, m) {
 TORCH_LIBRARY_IMPL(llm_engine, CPU, m) { m.impl("paged_decode", paged_decode); }
 """
 
+def _cpu_flags() -> str:
+    "The CPU's feature flags (Linux), part of the kernel's cache key since it is compiled with -march=native."
+    try: return next((l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")), "")
+    except OSError: return platform.processor()
+
 @cache
 def load_decode_kernel() -> str|None:
-    "Compile (once per machine, then cached) and load the paged decode kernel; `None` if it loaded, else why not."
+    "Compile (once per machine and source; the library is cached) and load the decode kernel; `None` if loaded, else why not."
     from torch.utils.cpp_extension import load_inline
-    name = "llm_engine_paged_decode_" + hashlib.sha1(DECODE_KERNEL_SRC.encode()).hexdigest()[:10]
-    try: load_inline(name, cpp_sources=DECODE_KERNEL_SRC, is_python_module=False,
-                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"])
+    key = hashlib.sha1(f"{DECODE_KERNEL_SRC}{torch.__version__}{_cpu_flags()}".encode()).hexdigest()[:12]
+    name = f"llm_engine_paged_decode_{key}"
+    so = cache_root() / "kernels" / f"{name}.so"
+    try:
+        if so.exists(): torch.ops.load_library(str(so))
+        else:
+            so.parent.mkdir(parents=True, exist_ok=True)
+            # build in a private folder, then move the library into place: processes starting together each
+            # build rather than wait on a lock file that a killed build could leave behind
+            with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
+                load_inline(name, cpp_sources=DECODE_KERNEL_SRC, is_python_module=False, build_directory=tmp,
+                            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"])
+                os.replace(Path(tmp) / f"{name}.so", so)
     except Exception as e: return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
     return None
 

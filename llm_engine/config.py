@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, asdict
 from pathlib import Path
 
 # %% auto 0
-__all__ = ['LLAMA_TYPES', 'ModelConfig', 'parse_size', 'CacheConfig', 'SchedulerConfig', 'EngineConfig']
+__all__ = ['LLAMA_TYPES', 'ModelConfig', 'parse_size', 'CacheConfig', 'SchedulerConfig', 'EngineConfig', 'cache_root']
 
 # %% ../nbs/00_config.ipynb
 LLAMA_TYPES = ("llama",)
@@ -147,3 +147,9 @@ class EngineConfig:
             elif k in cls.__dataclass_fields__: top[k] = v
             else: raise TypeError(f"Unknown engine option {k!r}")
         return cls(model=model, **top, **{n: sub[n](**p) for n, p in parts.items()})
+
+# %% ../nbs/00_config.ipynb
+def cache_root() -> Path:
+    "Where converted models and compiled kernels are kept."
+    if os.environ.get("LLM_ENGINE_CACHE"): return Path(os.environ["LLM_ENGINE_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "llm_engine"

