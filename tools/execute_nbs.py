@@ -36,6 +36,7 @@ def execute(path: Path, skip: set) -> float:
     def no_eval(cell):
         return (cell.cell_type != "code" or "nbdev_export(" in cell.source or bool(cell_flags(cell.source) & skip))
     shell, start = CaptureShell(path, mpl_format="png"), time.time()
+    shell._fname = path     # prettytb names the notebook in a failure
     cwd = os.getcwd(); os.chdir(path.parent)
     try: shell.run_all(nb, exc_stop=True, preproc=no_eval)
     except Exception as e: raise RuntimeError(f"{path.name} failed:\n{shell.prettytb(fname=path)}") from e
