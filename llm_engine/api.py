@@ -343,6 +343,7 @@ def needs_prompt_logprobs(req) -> int|None:
     "How many prompt logprobs to ask the engine for (vLLM's `prompt_logprobs`, or echo + logprobs); 400 if it cannot."
     n = req.prompt_logprobs
     if getattr(req, "echo", False) and req.logprobs is not None: n = max(n or 0, req.logprobs)
+    if req.prompt_logprobs is not None and req.stream: raise bad_request("prompt_logprobs", "prompt_logprobs is not supported with stream")
     if n is not None and not ENGINE_HAS_PROMPT_LOGPROBS:
         raise bad_request("prompt_logprobs" if req.prompt_logprobs is not None else "echo", "prompt logprobs are not supported by this engine yet")
     return n

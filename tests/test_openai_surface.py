@@ -267,3 +267,15 @@ def test_file_limit_concurrency_and_keep_alive(tiny):
     finally:
         for so in socks: so.close()
         assert s.stop() == 0
+
+def test_readme_examples_paste_and_run(server):
+    "The README's curl body and Python client example, run as written (port swapped for the test server's)."
+    import re, pathlib, contextlib, io
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    body = re.search(r"curl http://127\.0\.0\.1:8000/v1/chat/completions .*?-d '(.*?)'", readme, re.S).group(1)
+    r = httpx.post(f"{server.base}/v1/chat/completions", json=json.loads(body), timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    code = re.search(r"```python\n(from openai import OpenAI.*?)```", readme, re.S).group(1).replace("http://127.0.0.1:8000", server.base)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out): exec(code, {})
+    assert out.getvalue().strip()
