@@ -94,7 +94,7 @@ UNSUPPORTED = {
     "reasoning_effort": lambda v: v is None, "web_search_options": lambda v: v is None, "use_beam_search": lambda v: not v,
     "guided_json": lambda v: v is None, "guided_regex": lambda v: v is None, "guided_choice": lambda v: v is None,
     "guided_grammar": lambda v: v is None, "structured_outputs": lambda v: v is None, "continue_final_message": lambda v: not v,
-    "chat_template": lambda v: v is None, "documents": lambda v: v is None, "length_penalty": lambda v: v in (None, 1, 1.0),
+    "chat_template": lambda v: v is None, "echo": lambda v: not v,   # `echo` here only reaches chat requests (vLLM's chat echo) "documents": lambda v: v is None, "length_penalty": lambda v: v in (None, 1, 1.0),
 }
 
 def check_supported(req: BaseModel):
@@ -182,7 +182,9 @@ def fit_to_context(params: SamplingParams, n_prompt: int, max_model_len: int, kv
     if room < 1:
         raise bad_request(param, f"This model's maximum context length is {max_model_len} tokens, but the prompt has {n_prompt} tokens",
                           code="context_length_exceeded")
-    if params.max_tokens is None: return dataclasses.replace(params, max_tokens=max(1, min(room, kv_tokens - n_prompt)))
+    if params.max_tokens is None:
+        try: return dataclasses.replace(params, max_tokens=max(1, min(room, kv_tokens - n_prompt)))
+        except BadParam as e: raise bad_request(e.param, f"{e} (max_tokens defaults to the {room} tokens left in the context)") from None
     if params.max_tokens > room:
         raise bad_request("max_tokens", f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                           f"{n_prompt + params.max_tokens} tokens ({n_prompt} in the prompt, {params.max_tokens} for the completion)",
