@@ -5,6 +5,7 @@
 # %% ../nbs/10_api.ipynb 3
 from __future__ import annotations
 import asyncio, dataclasses, hmac, json, logging, re, secrets, time, uuid
+from contextlib import aclosing
 from dataclasses import dataclass
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -320,15 +321,16 @@ def completion_chunk(ctx, req, pi, o, c, cur: Cursor, step) -> CompletionChoice:
 async def completion_stream(ctx, req, head: dict, started):
     "SSE events of a streamed completion, over every prompt and choice."
     so, cursors, last = req.stream_options or StreamOptions(), {}, {}
-    async for pi, o in merge(started):
-        if o.error: yield sse_error(o.error); return
-        last[pi] = o
-        for c in o.outputs:
-            cur = cursors.setdefault((pi, c.index), Cursor())
-            if step := cur.advance(c):
-                body = {**head, "choices": [completion_chunk(ctx, req, pi, o, c, cur, step).model_dump()]}
-                if so.continuous_usage_stats: body["usage"] = usage([o]).model_dump()
-                yield sse(body)
+    async with aclosing(merge(started)) as outputs:    # closed (its readers cancelled) as soon as this stream ends
+        async for pi, o in outputs:
+            if o.error: yield sse_error(o.error); return
+            last[pi] = o
+            for c in o.outputs:
+                cur = cursors.setdefault((pi, c.index), Cursor())
+                if step := cur.advance(c):
+                    body = {**head, "choices": [completion_chunk(ctx, req, pi, o, c, cur, step).model_dump()]}
+                    if so.continuous_usage_stats: body["usage"] = usage([o]).model_dump()
+                    yield sse(body)
     if so.include_usage: yield sse({**head, "choices": [], "usage": usage(list(last.values())).model_dump()})
     yield "data: [DONE]\n\n"
 
