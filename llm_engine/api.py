@@ -187,16 +187,16 @@ async def _last(first, gen):
 
 async def until_done(request: Request, started) -> list[RequestOutput]:
     "The final outputs of the started streams; aborted (`ClientGone`) if the client disconnects first."
-    task = asyncio.ensure_future(asyncio.gather(*[_last(f, g) for f, g in started]))
+    tasks = [asyncio.ensure_future(_last(f, g)) for f, g in started]
     try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.2)
-            if not task.done() and await request.is_disconnected(): raise ClientGone()
-        return task.result()
+        while not all(t.done() for t in tasks):
+            await asyncio.wait(tasks, timeout=0.2, return_when=asyncio.FIRST_EXCEPTION)
+            if any(t.done() and t.exception() for t in tasks): break    # one failed: the others are not waited for
+            if not all(t.done() for t in tasks) and await request.is_disconnected(): raise ClientGone()
+        return [t.result() for t in tasks]
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)   # each engine stream's `finally` aborts its request
+        for t in tasks: t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)   # each engine stream's `finally` aborts its request
         for _, g in started: await g.aclose()
 
 # %% ../nbs/10_api.ipynb
