@@ -4,7 +4,8 @@
 
 # %% ../nbs/11a_cuda.ipynb 3
 from __future__ import annotations
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from itertools import accumulate
 import math
 import torch
 import torch.nn.functional as F
@@ -129,7 +130,7 @@ def flat_prefill(self: AttentionMetadata) -> FlatPrefill:
         q_seq.append(torch.full((ql,), i, device=dev)); q_pos.append(pos[cl - ql:])
     q_seq, q_pos, k_seq, k_pos = (torch.cat(x) for x in (q_seq, q_pos, k_seq, k_pos))
     mask = (q_seq[:, None] == k_seq[None]) & (k_pos[None] <= q_pos[:, None])
-    cum = lambda xs: torch.tensor([0, *torch.tensor(xs).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    cum = lambda xs: torch.tensor(list(accumulate(xs, initial=0)), dtype=torch.int32, device=dev)
     fp = FlatPrefill(torch.cat(slots), mask, cum(self.prefill_query_lens), cum(self.prefill_context_lens),
                      max(self.prefill_query_lens), max(self.prefill_context_lens))
     self.__dict__["_flat_prefill"] = fp
