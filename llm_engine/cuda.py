@@ -6,7 +6,7 @@
 from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
-import math
+import math, os
 import torch
 import torch.nn.functional as F
 from fastcore.basics import patch
@@ -92,7 +92,8 @@ def _next_pow2(n: int) -> int: return 1 << max(0, (int(n) - 1).bit_length())
 def paged_decode_triton(out, q, k_cache, v_cache, block_tables, context_lens, scale: float):
     "The Triton paged decode kernel; same arguments and result as `paged_decode_reference` and the C++ op."
     if triton is None: raise RuntimeError("paged_decode_triton needs Triton, which is not installed (it ships with CUDA builds of torch)")
-    if not (q.is_cuda and k_cache.is_cuda and out.is_cuda): raise RuntimeError("paged_decode_triton runs on CUDA tensors only")
+    if not (q.is_cuda and k_cache.is_cuda and out.is_cuda) and os.environ.get("TRITON_INTERPRET") != "1":   # the interpreter runs on CPU tensors
+        raise RuntimeError("paged_decode_triton runs on CUDA tensors only")
     B, H, D = q.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     if H % kvh or k_cache.shape[3] != D or out.shape != q.shape: raise ValueError("shapes disagree: q/out [B, H, D], caches [blocks, block_size, kv_heads, D]")

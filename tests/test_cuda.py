@@ -116,34 +116,30 @@ def _tiny_llama(layers=2, seed=0):
 
 def test_graph_runner_static_forward_equals_eager_on_cpu():
     "Everything but the recording: padded static buffers give the eager logits, and padding writes only the spare block."
-    from llm_engine.model import ModelRunner
-    from llm_engine.block_manager import BlockManager
     tiny, NB, BS = _tiny_llama(), 33, 4
-    runner = ModelRunner(tiny, NB, BS, prepack=False, attention_backend="torch")
-    bm = BlockManager(NB - 1, BS, kv_cache=runner.kv_cache)
-    for b in torch.randperm(NB - 1).tolist(): bm.free_ids.move_to_end(b)
-    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 11, 2, 8, 3)]
-    for i, p in enumerate(prompts): bm.allocate(i, p)
-    for i, t in enumerate(runner.run([(p, 0, bm.block_table(i)) for i, p in enumerate(prompts)]).argmax(-1).tolist()):
-        prompts[i].append(t); bm.append_slots(i, len(prompts[i]) - 1, len(prompts[i]))
-    kv0 = runner.kv_cache.clone()
-    eager = runner.run([([p[-1]], len(p) - 1, bm.block_table(i)) for i, p in enumerate(prompts)])
-    kv_eager = runner.kv_cache.clone(); runner.kv_cache.copy_(kv0)
-    graphs = CUDAGraphRunner(tiny, runner.layer_caches, BS, max_blocks=8, pad_slot=(NB - 1) * BS, max_batch=8, backend="reference")
-    md = AttentionMetadata.build([1] * 5, [len(p) for p in prompts], [bm.block_table(i) for i in range(5)], BS, decode_backend="reference")
+    kv = torch.zeros(2, 2, NB, BS, 2, 16)
+    caches = [(kv[i, 0], kv[i, 1]) for i in range(2)]
+    perm, lens = torch.randperm(NB - 1).tolist(), [6, 12, 3, 9, 1]
+    tables = [[perm.pop() for _ in range(-(-L // BS))] for L in lens]
+    kv[:, :, :NB - 1].normal_()
+    ids, pos = torch.randint(0, 256, (5,)), torch.tensor([L - 1 for L in lens])
+    kv0 = kv.clone()
+    with torch.inference_mode():
+        eager = tiny.compute_logits(tiny(ids, pos, AttentionMetadata.build([1] * 5, lens, tables, BS, decode_backend="torch"), caches))
+    kv_eager = kv.clone(); kv.copy_(kv0)
+    graphs = CUDAGraphRunner(tiny, caches, BS, max_blocks=8, pad_slot=(NB - 1) * BS, max_batch=8, backend="reference")
+    md = AttentionMetadata.build([1] * 5, lens, tables, BS, decode_backend="reference")
     with mock.patch("llm_engine.model.paged_attention", cuda_paged_attention):
-        got = graphs.run(torch.tensor([p[-1] for p in prompts]), torch.tensor([len(p) - 1 for p in prompts]), md)
+        got = graphs.run(ids, pos, md)
     assert graphs.padded_size(md) == 8 and got.shape == (5, 256)
     torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(runner.kv_cache[:, :, :NB - 1], kv_eager[:, :, :NB - 1], rtol=1e-5, atol=1e-5)
-    assert runner.kv_cache[:, :, NB - 1].abs().sum() > 0
+    torch.testing.assert_close(kv[:, :, :NB - 1], kv_eager[:, :, :NB - 1], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(kv[:, :, NB - 1], kv0[:, :, NB - 1])                            # padding rows wrote here only
     pre = AttentionMetadata.build([3], [3], [[0]], BS, decode_backend="reference")
     assert graphs.run(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]), pre) is None      # prefill: eager
     with pytest.raises(RuntimeError, match="CUDA device"): graphs.capture()
     with pytest.raises(ValueError, match="CUDA graphs need a decode backend"):
-        CUDAGraphRunner(tiny, runner.layer_caches, BS, 8, 0, backend="torch")
-    for i in range(5): bm.free(i)
-    assert bm.num_free_blocks == NB - 1
+        CUDAGraphRunner(tiny, caches, BS, 8, 0, backend="torch")
 
 _INTERPRET = r'''
 import random, torch, llm_engine.cuda as C
@@ -162,6 +158,16 @@ for lens, H, KVH, D, BS, dt in [([1, 15, 16, 17, 40, 100], 9, 3, 64, 16, torch.f
     ref = C.paged_decode_reference(torch.empty_like(q), q, kc, vc, bt, ctx, D ** -0.5)
     err = (out.float() - ref.float()).abs().max().item()
     assert err < (1e-5 if dt == torch.float32 else 3e-2), (lens, dt, err)
+    wrapped = C.paged_decode_triton(torch.empty_like(q), q, kc, vc, bt, ctx, D ** -0.5)   # the public wrapper's launch
+    assert (wrapped.float() - ref.float()).abs().max().item() < (1e-5 if dt == torch.float32 else 3e-2)
+from llm_engine.attention import AttentionMetadata, paged_attention
+g = torch.Generator().manual_seed(0)
+kc, vc = torch.randn(64, 16, 3, 64, generator=g), torch.randn(64, 16, 3, 64, generator=g)
+spec = ([7, 20, 1, 1, 1], [7, 50, 1, 17, 33], [[5], [9, 1, 30, 2], [11], [40, 41], [3, 60, 61]])   # 2 prefills, 3 decodes
+q = torch.randn(30, 9, 64, generator=g)
+ours = C.cuda_paged_attention(q, kc, vc, AttentionMetadata.build(*spec, 16, decode_backend="triton"), 0.125)
+theirs = paged_attention(q, kc, vc, AttentionMetadata.build(*spec, 16, decode_backend="torch"), 0.125)
+assert (ours - theirs).abs().max().item() < 1e-5
 print("interpreted kernel == reference")
 '''
 
