@@ -280,7 +280,9 @@ def check_engine(ctx: Ctx):
     n = ctx.args.tokens
     llm = LLM(str(ctx.model_path), dtype="float32", **kw)
     where = next(llm.engine.model.parameters()).device.type
-    out = [Check("engine", "PASS" if where == ctx.device.type else "FAIL", f"engine weights on {where} (asked: {ctx.device.type})")]
+    backend = getattr(getattr(llm.engine, "runner", None), "attention_backend", "?")
+    out = [Check("engine", "PASS" if where == ctx.device.type else "FAIL",
+                 f"engine weights on {where} (asked: {ctx.device.type}); runner's decode backend: {backend!r}")]
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     free0 = llm.engine.block_manager.num_free_blocks
     together = [o.outputs[0].token_ids for o in llm.generate(ctx.prompts, sp, use_tqdm=False)]
