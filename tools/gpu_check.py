@@ -4,6 +4,7 @@
 Sections, each PASS / FAIL / SKIP with a reason:
   env        versions, GPU, Triton, FlashAttention; whether the engine is device-aware (`EngineConfig.device`)
   kernel     Triton paged decode == its torch reference == dense SDPA (fp32, bf16); flat prefill == notebook 03
+  gpu_tests  the pytest tests marked `cuda` in tests/test_cuda.py (skipped there without a GPU)
   parity     our Llama on the device in fp32 vs transformers on the same device: last-token logits, 32 greedy tokens
   graphs     greedy decoding through CUDAGraphRunner (captured graphs) == transformers; ms per decode step, eager vs graph
   engine     LLM(device=...) in fp32: greedy == transformers, batch == alone, every KV block back in the free list
@@ -196,6 +197,20 @@ def _check_flat_prefill(dev):
     err = (got - ref).abs().max().item()
     return [Check("kernel", "PASS" if err < 1e-4 else "FAIL", f"flat prefill (one SDPA call, cached prefix) vs notebook 03: max |err| {err:.2e}")]
 
+def check_gpu_tests(ctx: Ctx):
+    "The pytest tests marked `cuda` (Triton kernel, flat prefill, graph capture and replay on the GPU)."
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "pytest", str(root / "tests" / "test_cuda.py"), "-m", "cuda", "-q", "-rs",
+           "--noconftest", "-p", "no:cacheprovider", "-W", "ignore"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=max(60, min(240, ctx.left() - 60)), env=env, cwd=root)
+    last = (r.stdout.strip().splitlines() or ["(no output)"])[-1]
+    if r.returncode == 0 and "passed" in last: return [Check("gpu_tests", "PASS", f"pytest -m cuda tests/test_cuda.py: {last}")]
+    if r.returncode in (0, 5): return [Check("gpu_tests", "SKIP", f"pytest -m cuda: {last}")]
+    print(r.stdout[-4000:], r.stderr[-2000:], file=sys.stderr)
+    return [Check("gpu_tests", "FAIL", f"pytest -m cuda tests/test_cuda.py exited {r.returncode}: {last}")]
+
 def check_parity(ctx: Ctx):
     from llm_engine.model import load_model
     from llm_engine.cuda import select_attention_backend
@@ -333,7 +348,7 @@ def check_throughput(ctx: Ctx):
     return [Check("throughput", "PASS" if ok else "FAIL", f"{speedup:.1f}x tokens/s over transformers one at a time ({dtype}, {a.requests} requests)"
                   + ("" if ok else f"; engine produced {n_engine} tokens, expected {a.requests * a.max_tokens}"))]
 
-SECTIONS = {"env": check_env, "kernel": check_kernel, "parity": check_parity, "graphs": check_graphs,
+SECTIONS = {"env": check_env, "kernel": check_kernel, "gpu_tests": check_gpu_tests, "parity": check_parity, "graphs": check_graphs,
             "engine": check_engine, "throughput": check_throughput}
 
 def parse_args(argv=None):

@@ -3,7 +3,8 @@
 #   e.g. tools/gpu_check.sh                 (cuda; parity, graphs, engine, throughput vs transformers)
 #        tools/gpu_check.sh --device cpu --quick   (smoke test of the script on a machine without a GPU)
 # Installs what is missing when PyPI is reachable (a CUDA build of torch, this package, the embedded default model);
-# offline, it uses what is installed and runs the package from this clone. Exit: 0 ok, 1 a check failed, 2 cannot run.
+# offline, it uses what is installed (plus any wheels put in .whl/) and runs the package from this clone; without the
+# embedded model (a 98 MB wheel) the checks run on random weights of SmolLM2-135M's shape. Exit: 0 ok, 1 a check failed, 2 cannot run.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 PY=${PYTHON:-python3}
@@ -28,7 +29,13 @@ if [[ $want_cuda == 1 ]] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.c
     || { say "FAILED: torch does not see a CUDA GPU (no driver, or a CPU build and no network to replace it)"; exit 2; }
 fi
 
-# 2. this package and its requirements
+# 2. wheels brought along for an offline machine (.whl/ in the clone, e.g. fastcore==1.8.18), then this package
+if compgen -G ".whl/*.whl" >/dev/null; then
+  say "installing the wheels in .whl/ (offline) into /tmp/gpu_check_site"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/gpu_check_site .whl/*.whl \
+    || { say "FAILED: installing .whl/*.whl"; exit 2; }
+  export PYTHONPATH="/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 if [[ $ONLINE == 1 ]]; then
   "$PY" -m pip install -q -e . || { say "FAILED: pip install -e ."; exit 2; }
 else
