@@ -92,3 +92,10 @@ def execute(self: ModelRunner, out: SchedulerOutput) -> RunnerOutput:
     hidden = self.model(inp.input_ids, inp.positions, inp.attn, self.layer_caches)
     logits = self.model.compute_logits(hidden[inp.sample_index]) if inp.sampled else None
     return RunnerOutput(None if logits is None else logits.to("cpu"), inp.sampled)
+
+# %% ../nbs/07a_runner.ipynb
+@patch
+def run(self: ModelRunner, work) -> torch.Tensor:
+    "Earlier interface: `(token_ids, num_computed, block_table)` per sequence -> last-token logits of every row, in order."
+    rows = [ScheduledSeq(i, str(i), list(t), n0, list(bt), True) for i, (t, n0, bt) in enumerate(work)]
+    return self.execute(SchedulerOutput(scheduled=rows)).logits
