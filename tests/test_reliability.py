@@ -31,7 +31,9 @@ def settle(base, timeout=20):
 
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "stop",
           "seed", "stream", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "echo", "user", "stream_options",
-          "ignore_eos", "priority", "min_p", "repetition_penalty"]
+          "ignore_eos", "priority", "min_p", "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "min_tokens",
+          "stop_token_ids", "return_token_ids", "return_tokens_as_token_ids", "truncate_prompt_tokens", "prompt_logprobs", "tools",
+          "response_format"]
 json_scalar = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(-1e6, 1e6, allow_nan=False),
                         st.text(max_size=30))
 json_value = st.recursive(json_scalar, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=10)
@@ -206,11 +208,11 @@ def test_engine_fault_fails_only_affected_requests(tiny):
     from llm_engine.engine import AsyncLLMEngine, LLMEngine
     from llm_engine.config import EngineConfig
     aeng = AsyncLLMEngine(LLMEngine(EngineConfig.create(model=tiny, num_blocks=128))).start()
-    eng, real_run, faults = aeng.engine, aeng.engine.runner.run, {"left": 0}
-    def flaky(work):
+    eng, real_execute, faults = aeng.engine, aeng.engine.runner.execute, {"left": 0}
+    def flaky(out):
         if faults["left"]: faults["left"] -= 1; raise RuntimeError("injected fault")
-        return real_run(work)
-    eng.runner.run = flaky
+        return real_execute(out)
+    eng.runner.execute = flaky
     try:
         client = TestClient(build_app(aeng))
         body = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True}
