@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_api.ipynb 3
 from __future__ import annotations
-import asyncio, dataclasses, hmac, json, logging, re, secrets, time, uuid
+import anyio, asyncio, dataclasses, hmac, json, logging, re, secrets, time, uuid
 from contextlib import aclosing
 from dataclasses import dataclass
 from fastapi import APIRouter, FastAPI, Request
@@ -17,13 +17,14 @@ from .metrics import engine_stats, prometheus_text
 from .protocol import *
 
 # %% auto 0
-__all__ = ['log', 'PROTECTED', 'ENGINE_HAS_PROMPT_LOGPROBS', 'router', 'ServerConfig', 'clean_model_name', 'model_aliases',
-           'ServerContext', 'Guard', 'error_json', 'render_chat', 'chat_messages', 'completion_prompt_ids', 'prepare',
-           'start', 'start_all', 'ClientGone', 'until_done', 'tok_str', 'chat_logprobs', 'completion_logprobs',
-           'join_logprobs', 'prompt_logprobs_json', 'usage', 'finish_reason', 'sse', 'sse_error', 'Cursor',
-           'chat_chunk', 'chat_stream', 'merge', 'completion_chunk', 'completion_stream', 'echo_text', 'echo_logprobs',
-           'needs_prompt_logprobs', 'chat_completions', 'chat_response', 'completions', 'completion_choice', 'tokenize',
-           'detokenize', 'health', 'models', 'stats', 'metrics', 'build_app', 'raise_open_file_limit', 'serve']
+__all__ = ['log', 'PROTECTED', 'ENGINE_HAS_PROMPT_LOGPROBS', 'router', 'SEND_BUFFER', 'ServerConfig', 'clean_model_name',
+           'model_aliases', 'ServerContext', 'Guard', 'error_json', 'render_chat', 'chat_messages',
+           'completion_prompt_ids', 'prepare', 'start', 'start_all', 'ClientGone', 'until_done', 'tok_str',
+           'chat_logprobs', 'completion_logprobs', 'join_logprobs', 'prompt_logprobs_json', 'usage', 'finish_reason',
+           'sse', 'sse_error', 'Cursor', 'chat_chunk', 'chat_stream', 'merge', 'EventStream', 'completion_chunk',
+           'completion_stream', 'echo_text', 'echo_logprobs', 'needs_prompt_logprobs', 'chat_completions',
+           'chat_response', 'completions', 'completion_choice', 'tokenize', 'detokenize', 'health', 'models', 'stats',
+           'metrics', 'build_app', 'raise_open_file_limit', 'listen_socket', 'serve']
 
 # %% ../nbs/10_api.ipynb
 log = logging.getLogger("llm_engine.api")
@@ -287,12 +288,18 @@ async def _chain(first, gen):
 # %% ../nbs/10_api.ipynb
 async def merge(started):
     "Yield `(prompt_index, output)` from every started stream as outputs arrive."
-    q: asyncio.Queue = asyncio.Queue()
+    q: asyncio.Queue = asyncio.Queue(maxsize=len(started))   # bounded: a client that stops reading stalls its engine streams
     async def pump(pi, first, gen):
+        done = False
         try:
             async for o in _chain(first, gen): await q.put((pi, o))
+            done = True
         finally:
-            await gen.aclose(); await q.put((pi, None))
+            await gen.aclose()
+            if done: await q.put((pi, None))
+            else:                       # cancelled (the reader left) or failed: never block here on a full queue
+                try: q.put_nowait((pi, None))
+                except asyncio.QueueFull: pass
     tasks = [asyncio.create_task(pump(pi, f, g)) for pi, (f, g) in enumerate(started)]
     live = len(tasks)
     try:
@@ -302,6 +309,16 @@ async def merge(started):
             else: yield pi, o
     finally:
         for t in tasks: t.cancel()
+
+# %% ../nbs/10_api.ipynb
+class EventStream(StreamingResponse):
+    "A server-sent-events response that closes its generator (aborting the requests under it) as soon as it ends."
+    media_type = "text/event-stream"
+    async def __call__(self, scope, receive, send):
+        try: await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):           # runs even when the response was cancelled (client gone)
+                if hasattr(self.body_iterator, "aclose"): await self.body_iterator.aclose()
 
 # %% ../nbs/10_api.ipynb
 def completion_chunk(ctx, req, pi, o, c, cur: Cursor, step) -> CompletionChoice:
@@ -368,7 +385,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     ids, params = prepare(ctx, req, ids, params, "messages")
     started = await start_all(ctx, req, [(ids, params)], params, "messages")
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()), "model": ctx.name}
-    if req.stream: return StreamingResponse(chat_stream(ctx, req, head, *started[0]), media_type="text/event-stream")
+    if req.stream: return EventStream(chat_stream(ctx, req, head, *started[0]))
     try: out, = await until_done(request, started)
     except ClientGone: return Response(status_code=499)
     return chat_response(ctx, req, head, out).model_dump()
@@ -394,7 +411,7 @@ async def completions(req: CompletionRequest, request: Request):
     prompts = [prepare(ctx, req, completion_prompt_ids(ctx, p), params, "prompt") for p in req.prompts()]
     started = await start_all(ctx, req, prompts, params, "prompt")
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": ctx.name}
-    if req.stream: return StreamingResponse(completion_stream(ctx, req, head, started), media_type="text/event-stream")
+    if req.stream: return EventStream(completion_stream(ctx, req, head, started))
     try: outs = await until_done(request, started)
     except ClientGone: return Response(status_code=499)
     return CompletionResponse(**head, choices=[completion_choice(ctx, req, pi, o, c) for pi, o in enumerate(outs) for c in o.outputs],
@@ -438,7 +455,9 @@ async def models(request: Request):
                                         "max_model_len": ctx.engine.max_model_len}]}
 
 @router.get("/v1/stats")
-async def stats(request: Request): return engine_stats(_ctx(request).engine)
+async def stats(request: Request):
+    ctx = _ctx(request)
+    return {**engine_stats(ctx.engine), "requests_paused": ctx.aeng.num_paused, "streams_stalled": ctx.aeng.num_stalled}
 
 @router.get("/metrics")
 async def metrics(request: Request): return Response(prometheus_text(_ctx(request).engine), media_type="text/plain; version=0.0.4")
@@ -479,6 +498,18 @@ def raise_open_file_limit() -> int:
     try: resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard)); return hard
     except (ValueError, OSError): return soft
 
+SEND_BUFFER = 256 * 2**10
+
+def listen_socket(host, port, send_buffer=SEND_BUFFER):
+    "A bound socket for uvicorn whose kernel send buffer, inherited by every connection it accepts, is capped at `send_buffer`."
+    import socket
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    sock.bind(addr); sock.set_inheritable(True)
+    return sock
+
 def serve(server: ServerConfig|None = None, engine=None, **engine_kw):
     "Start the OpenAI-compatible server (blocking); `engine` is an `EngineConfig`, or `engine_kw` builds one."
     import uvicorn
@@ -492,7 +523,7 @@ def serve(server: ServerConfig|None = None, engine=None, **engine_kw):
     print(f"llm_engine: serving {app.state.ctx.name} on http://{s.host}:{s.port}/v1 ({bm.num_blocks} KV blocks of {bm.block_size} tokens; "
           f"up to {limit} connections)", flush=True)
     _Server(uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level, timeout_graceful_shutdown=10,
-                           limit_concurrency=limit, timeout_keep_alive=s.timeout_keep_alive)).run()
+                           limit_concurrency=limit, timeout_keep_alive=s.timeout_keep_alive)).run(sockets=[listen_socket(s.host, s.port)])
 
 # %% ../nbs/10_api.ipynb
 import uvicorn

@@ -133,6 +133,8 @@ class EngineConfig:
     seed: int = 0
     num_threads: int|None = None
     attention_backend: str = "auto"    # decode attention: "cpp" (in-place C++ kernel), "torch" (gather + SDPA), or "auto"
+    stream_stall_timeout: float = 10.0 # s a streaming client may leave output unread before its request is paused or aborted (0: never)
+    stream_stall_action: str = "pause" # "pause": stop computing it, KV kept, until the client reads; "abort": cancel it
     device: str = "auto"               # "auto" (cuda, then mps, else cpu), "cpu", "cuda", "cuda:1", "mps"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -177,13 +177,69 @@ def _fail(self: LLMEngine, req: _Request, e: Exception) -> RequestOutput:
     return self._finish_request(req)
 
 # %% ../nbs/08_engine.ipynb
+@dataclass
+class _Stream:
+    "One request's stream: the newest unread output (outputs are cumulative, so one slot is enough) and its reader's state."
+    loop: asyncio.AbstractEventLoop
+    ready: asyncio.Event
+    latest: RequestOutput|None = None
+    unread_since: float|None = None    # when the unread output first arrived; None while the reader is up to date
+    stalled: bool = False              # the engine has acted on this stall (paused or aborted the request)
+    paused: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def put(self, out: RequestOutput):
+        "Engine thread: replace the unread output, if any, by the newer one and wake the reader."
+        with self.lock:
+            if self.latest is None: self.unread_since = time.monotonic()
+            self.latest = out
+        try: self.loop.call_soon_threadsafe(self.ready.set)
+        except RuntimeError: pass       # the reader's loop is gone
+
+    def take(self) -> tuple[RequestOutput|None, bool]:
+        "Reader: the newest output (None if nothing new) and whether its request was paused and must resume."
+        with self.lock:
+            out, self.latest, self.unread_since = self.latest, None, None
+            resume, self.paused, self.stalled = self.paused, False, False
+        return out, resume
+
+    def stall(self, now, timeout, pause: bool) -> bool:
+        "Engine thread: True (once per stall) when an output has waited unread for longer than `timeout` seconds."
+        with self.lock:    # marked paused before the engine pauses it, so a reader arriving meanwhile asks to resume
+            if self.stalled or self.unread_since is None or now - self.unread_since <= timeout: return False
+            self.stalled, self.paused = True, pause
+            return True
+
+# %% ../nbs/08_engine.ipynb
+@patch
+def pause(self: LLMEngine, request_id) -> bool:
+    "Stop computing a request's sequences until `resume` (they keep their KV blocks); False if it is not in flight."
+    req = self.requests.get(request_id)
+    if req is None: return False
+    for s in req.seqs: s.paused = True
+    return True
+
+@patch
+def resume(self: LLMEngine, request_id) -> bool:
+    "Schedule a paused request's sequences again."
+    req = self.requests.get(request_id)
+    if req is None: return False
+    for s in req.seqs: s.paused = False
+    return True
+
+# %% ../nbs/08_engine.ipynb
 class AsyncLLMEngine:
-    "Runs `LLMEngine.step` on a background thread; `generate` streams each request's outputs."
-    def __init__(self, engine: LLMEngine):
+    "Runs `LLMEngine.step` on a background thread; `generate` streams each request's outputs, with backpressure."
+    def __init__(self, engine: LLMEngine, stall_timeout: float|None = None, stall_action: str|None = None):
+        cfg = engine.config
+        self.stall_timeout = cfg.stream_stall_timeout if stall_timeout is None else stall_timeout
+        self.stall_action = stall_action or cfg.stream_stall_action
+        if self.stall_action not in ("pause", "abort"): raise ValueError(f"stream_stall_action must be 'pause' or 'abort', got {self.stall_action!r}")
         self.engine, self._lock, self._wake = engine, threading.Lock(), threading.Event()
-        self._streams: dict = {}       # request id -> (loop, asyncio.Queue)
-        self._aborts = deque()          # request ids to cancel before the next step
+        self._streams: dict[str, _Stream] = {}
+        self._aborts, self._resumes = deque(), deque()    # request ids from readers, applied before the next step
         self._stop, self._thread, self.errors = False, None, 0
+        self.num_stalled = 0                               # requests paused or aborted because their reader stalled
 
     def start(self):
         if self._thread is None:
@@ -191,65 +247,97 @@ class AsyncLLMEngine:
             self._thread.start()
         return self
 
+    @property
+    def num_paused(self): return sum(s.paused for s in list(self._streams.values()))
+    def pending_outputs(self, request_id) -> int:
+        "Outputs of `request_id` waiting for its reader: 0 or 1."
+        s = self._streams.get(request_id)
+        return int(s is not None and s.latest is not None)
+
     def _deliver(self, out: RequestOutput):
-        entry = self._streams.get(out.request_id)
-        if entry is None: return
-        if out.finished: self._streams.pop(out.request_id, None)
-        loop, q = entry
-        try: loop.call_soon_threadsafe(q.put_nowait, out)
-        except RuntimeError: pass      # the client's loop is gone
+        s = self._streams.get(out.request_id)
+        if s is not None: s.put(out)
 
-    def _drain_aborts(self):
+# %% ../nbs/08_engine.ipynb
+@patch
+def _drain(self: AsyncLLMEngine):
+    "Apply the aborts and resumes readers asked for."
+    with self._lock:
+        while self._aborts: self.engine.abort(self._aborts.popleft())
+        while self._resumes: self.engine.resume(self._resumes.popleft())
+
+@patch
+def _check_stalls(self: AsyncLLMEngine):
+    "Pause or abort the requests whose reader has left an output unread for longer than the stall timeout."
+    if not self.stall_timeout: return
+    now = time.monotonic()
+    for rid, s in list(self._streams.items()):
+        if not s.stall(now, self.stall_timeout, self.stall_action == "pause"): continue
+        self.num_stalled += 1
         with self._lock:
-            while self._aborts: self.engine.abort(self._aborts.popleft())
+            if self.stall_action == "pause": self.engine.pause(rid)
+            elif (out := self.engine.abort(rid)) is not None: s.put(out)
 
-    def _run(self):
-        while not self._stop:
-            self._drain_aborts()
-            if not self.engine.has_unfinished():
-                self._wake.wait(0.5); self._wake.clear(); continue
-            with self._lock:
-                try: outs = self.engine.step()
-                except Exception as e:  # a bug in scheduling: fail everything in flight rather than die
-                    self.errors += 1
-                    outs = [self.engine._fail(r, e) for r in list(self.engine.requests.values())]
-            for o in outs: self._deliver(o)
-
-    async def generate(self, prompt, params: SamplingParams|None = None, request_id=None, priority=0):
-        "Async iterator of cumulative `RequestOutput`s for one request; bad input raises before the first yield."
-        rid = request_id or uuid.uuid4().hex
-        loop, q = asyncio.get_running_loop(), asyncio.Queue()
-        # tokenizing and waiting for the lock (held for a whole step) happen off the event loop
-        await asyncio.to_thread(self._add, rid, prompt, params, priority, loop, q)
-        self._wake.set()
-        finished = False
-        try:
-            while not finished:
-                out = await q.get()
-                finished = out.finished
-                yield out
-        finally:
-            if not finished: self.abort(rid)
-
-    def _add(self, rid, prompt, params, priority, loop, q):
+@patch
+def _run(self: AsyncLLMEngine):
+    while not self._stop:
+        self._drain(); self._check_stalls()
+        if not self.engine.has_unfinished():
+            self._wake.wait(0.5); self._wake.clear(); continue
+        steps = self.engine.num_steps
         with self._lock:
-            self.engine.add_request(rid, prompt, params, priority)
-            self._streams[rid] = (loop, q)
+            try: outs = self.engine.step()
+            except Exception as e:  # a bug in scheduling: fail everything in flight rather than die
+                self.errors += 1
+                outs = [self.engine._fail(r, e) for r in list(self.engine.requests.values())]
+        for o in outs: self._deliver(o)
+        if self.engine.num_steps == steps:     # nothing could run (all paused, or waiting on them): do not spin
+            self._wake.wait(0.02); self._wake.clear()
 
-    def abort(self, request_id):
-        "Cancel a request without blocking the caller: the loop thread frees it before its next step."
-        self._streams.pop(request_id, None)
-        self._aborts.append(request_id); self._wake.set()
+# %% ../nbs/08_engine.ipynb
+@patch
+async def generate(self: AsyncLLMEngine, prompt, params: SamplingParams|None = None, request_id=None, priority=0):
+    "Async iterator of cumulative `RequestOutput`s for one request; bad input raises before the first yield."
+    rid = request_id or uuid.uuid4().hex
+    s = _Stream(asyncio.get_running_loop(), asyncio.Event())
+    # tokenizing and waiting for the lock (held for a whole step) happen off the event loop
+    await asyncio.to_thread(self._add, rid, prompt, params, priority, s)
+    self._wake.set()
+    finished = False
+    try:
+        while not finished:
+            await s.ready.wait(); s.ready.clear()
+            out, resume = s.take()
+            if resume: self._resumes.append(rid); self._wake.set()
+            if out is None: continue
+            finished = out.finished
+            yield out
+    finally:
+        self._streams.pop(rid, None)
+        if not finished: self.abort(rid)
 
-    def shutdown(self):
-        "Stop the loop and cancel whatever is still in flight (freeing its blocks)."
-        self._stop = True; self._wake.set()
-        if self._thread: self._thread.join(timeout=30)
-        self._drain_aborts()
-        with self._lock:
-            for rid in list(self.engine.requests):
-                out = self.engine.abort(rid)
-                if out: self._deliver(out)
+@patch
+def _add(self: AsyncLLMEngine, rid, prompt, params, priority, stream: _Stream):
+    with self._lock:
+        self.engine.add_request(rid, prompt, params, priority)
+        self._streams[rid] = stream
+
+@patch
+def abort(self: AsyncLLMEngine, request_id):
+    "Cancel a request without blocking the caller: the loop thread frees it before its next step."
+    self._streams.pop(request_id, None)
+    self._aborts.append(request_id); self._wake.set()
+
+@patch
+def shutdown(self: AsyncLLMEngine):
+    "Stop the loop and cancel whatever is still in flight (freeing its blocks)."
+    self._stop = True; self._wake.set()
+    if self._thread: self._thread.join(timeout=30)
+    self._drain()
+    with self._lock:
+        for rid in list(self.engine.requests):
+            out = self.engine.abort(rid)
+            if out: self._deliver(out)
 
 # %% ../nbs/08_engine.ipynb
 class LLM:

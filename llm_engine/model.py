@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_model.ipynb 3
 from __future__ import annotations
-import ctypes, ctypes.util, hashlib, importlib.util, json, os, shutil
+import ctypes, ctypes.util, hashlib, importlib.util, json, os, re, shutil, sys
 from pathlib import Path
 import torch
 import torch.nn.functional as F
@@ -15,8 +15,10 @@ from .layers import RMSNorm, SwiGLU
 from .attention import AttentionMetadata, store_kv, paged_attention
 
 # %% auto 0
-__all__ = ['DEFAULT_GGUF', 'LlamaAttention', 'LlamaDecoderLayer', 'Llama', 'load_weights', 'default_gguf_path', 'convert_gguf',
-           'resolve_model', 'load_model', 'load_tokenizer', 'PackedLinear', 'prepack_linears', 'keep_freed_memory']
+__all__ = ['MANIFEST', 'DEFAULT_GGUF', 'LlamaAttention', 'LlamaDecoderLayer', 'Llama', 'load_weights', 'clean_stale_temps',
+           'write_manifest', 'check_cached_model', 'default_gguf_path', 'convert_gguf', 'resolve_model',
+           'cached_conversion', 'load_model', 'load_tokenizer', 'PackedLinear', 'bound_onednn_caches',
+           'prepack_linears', 'keep_freed_memory']
 
 # %% ../nbs/05_model.ipynb
 class LlamaAttention(nn.Module):
@@ -110,6 +112,67 @@ def load_weights(model: Llama, path):
     return model
 
 # %% ../nbs/05_model.ipynb
+MANIFEST = "llm_engine_manifest.json"
+
+def _pid_alive(pid: int) -> bool:
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    except PermissionError: pass        # alive, another user's
+    return True
+
+def clean_stale_temps(root) -> list[Path]:
+    "Remove the `*.tmp<pid>` folders in `root` whose writing process is gone; returns what was removed."
+    gone = []
+    for p in Path(root).glob("*.tmp*"):
+        m = re.fullmatch(r".+\.tmp(\d+)", p.name)
+        if m and p.is_dir() and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True); gone.append(p)
+    return gone
+
+def _sha256(f: Path) -> str:
+    h = hashlib.sha256()
+    with open(f, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""): h.update(chunk)
+    return h.hexdigest()
+
+def write_manifest(folder) -> Path:
+    "Record size, mtime and SHA-256 of every file in `folder`; written last, so it marks the folder complete."
+    folder = Path(folder)
+    files = {f.name: {"size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns, "sha256": _sha256(f)}
+             for f in sorted(folder.iterdir()) if f.is_file() and f.name != MANIFEST}
+    (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+    return folder / MANIFEST
+
+# %% ../nbs/05_model.ipynb
+def _safetensors_complete(f: Path) -> bool:
+    "A safetensors file is 8 bytes of header length, the JSON header, then data up to the header's last offset."
+    try:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if n > f.stat().st_size: return False
+            header = json.loads(fh.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        return f.stat().st_size == 8 + n + end
+    except (OSError, ValueError, KeyError, TypeError): return False
+
+def check_cached_model(folder) -> str|None:
+    "None if the converted model in `folder` is whole, else what is wrong with it."
+    folder = Path(folder)
+    if not (folder / "config.json").exists(): return "no config.json"
+    if not (folder / MANIFEST).exists():      # converted before manifests: at least the weights must be complete
+        bad = [f.name for f in folder.glob("*.safetensors") if not _safetensors_complete(f)]
+        return f"incomplete weights file {bad[0]}" if bad else None
+    try: files = json.loads((folder / MANIFEST).read_text())["files"]
+    except (ValueError, KeyError): return "unreadable manifest"
+    for name, want in files.items():
+        f = folder / name
+        if not f.exists(): return f"{name} is missing"
+        st = f.stat()
+        if st.st_size != want["size"]: return f"{name} has {st.st_size} bytes, the manifest says {want['size']}"
+        if st.st_mtime_ns != want["mtime_ns"] and _sha256(f) != want["sha256"]: return f"{name} does not match its SHA-256"
+    return None
+
+# %% ../nbs/05_model.ipynb
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def default_gguf_path() -> Path:
@@ -142,8 +205,11 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     d = hf.config.to_dict(); d.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(d, indent=2))
     tok.save_pretrained(tmp)
-    if out.exists(): shutil.rmtree(tmp)    # another process finished first
-    else: os.replace(tmp, out)
+    write_manifest(tmp)                    # last: a folder with a manifest is complete
+    try: os.replace(tmp, out)
+    except OSError:                        # another writer renamed its finished copy into place first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if check_cached_model(out) is not None: raise
     return out
 
 def resolve_model(model=None) -> Path:
@@ -160,7 +226,32 @@ def resolve_model(model=None) -> Path:
         elif p.suffix == ".gguf": gguf = p
         else: raise ValueError(f"{p} is neither a model folder nor a .gguf file")
     out = cache_root() / f"{gguf.stem}-{hashlib.sha1(f'{gguf.resolve()}:{gguf.stat().st_size}'.encode()).hexdigest()[:10]}"
-    return out if (out / "config.json").exists() else convert_gguf(gguf, out)
+    return cached_conversion(gguf, out)
+
+def _lock(f):
+    "Hold an exclusive lock on open file `f` (waiting, and saying so, if another process has it); a no-op without fcntl."
+    try: import fcntl
+    except ImportError: return
+    try: fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"llm_engine: waiting for another process converting {Path(f.name).stem} ...", file=sys.stderr, flush=True)
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+
+def cached_conversion(gguf: Path, out: Path) -> Path:
+    "`out` holding the converted `gguf`: checked if there, else converted, one process at a time."
+    if (out / MANIFEST).exists() and check_cached_model(out) is None: return out      # the usual start: no lock
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "a") as lock:
+        _lock(lock)
+        clean_stale_temps(out.parent)
+        problem = check_cached_model(out) if out.exists() else "not converted yet"
+        if problem is None:                # finished by the process we waited for, or converted before manifests
+            if not (out / MANIFEST).exists(): write_manifest(out)
+            return out
+        if out.exists():
+            print(f"llm_engine: the cached model {out} is damaged ({problem}); converting it again", file=sys.stderr, flush=True)
+            shutil.rmtree(out)
+        return convert_gguf(gguf, out)
 
 def load_model(model=None, dtype=torch.float32, device="cpu") -> tuple[Llama, Path]:
     "Our `Llama` with weights loaded on `device`, and the folder it came from."
@@ -194,9 +285,15 @@ def _packed_or_none(lin: nn.Linear):
         return p if ok else None
     except (RuntimeError, AttributeError): return None
 
+def bound_onednn_caches(capacity=256) -> int:
+    "Cap oneDNN's and ideep's kernel caches (read when the first kernel is built); returns the capacity in force."
+    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"): os.environ.setdefault(var, str(capacity))
+    return int(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"])
+
 def prepack_linears(model: nn.Module) -> nn.Module:
     "Replace every fp32 CPU `nn.Linear` by a `PackedLinear` where oneDNN is available (idempotent)."
     if not torch.backends.mkldnn.is_available(): return model
+    bound_onednn_caches()
     for mod in list(model.modules()):
         for cname, child in list(mod.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":

@@ -29,6 +29,7 @@ class Sequence:
         self.status, self.finish_reason, self.stop_reason, self.num_computed = SeqStatus.WAITING, None, None, 0
         self.first_scheduled_time = self.first_token_time = self.last_token_time = None
         self.num_cached_tokens = 0
+        self.paused = False     # its reader is not keeping up: keep its KV, compute nothing (engine's async front)
         self.output_text, self.logprobs, self.cumulative_logprob = "", [], 0.0
     @property
     def num_tokens(self): return len(self.token_ids)
@@ -155,6 +156,8 @@ def _schedule_running(self: Scheduler, out: SchedulerOutput, budget: int) -> int
     kept = []
     while queue:
         seq = queue.pop(0)
+        if seq.paused:
+            kept.append(seq); self._decide(out, seq, "waited", "paused: its client is not reading its stream"); continue
         n = min(seq.remaining, budget)
         if n == 0:
             kept.append(seq); self._decide(out, seq, "waited", self._budget_note(budget)); continue
