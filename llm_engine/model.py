@@ -239,11 +239,11 @@ def _lock(f):
 
 def cached_conversion(gguf: Path, out: Path) -> Path:
     "`out` holding the converted `gguf`: checked if there, else converted, one process at a time."
+    if out.parent.exists(): clean_stale_temps(out.parent)      # every start: what a killed converter left
     if (out / MANIFEST).exists() and check_cached_model(out) is None: return out      # the usual start: no lock
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_name(out.name + ".lock"), "a") as lock:
         _lock(lock)
-        clean_stale_temps(out.parent)
         problem = check_cached_model(out) if out.exists() else "not converted yet"
         if problem is None:                # finished by the process we waited for, or converted before manifests
             if not (out / MANIFEST).exists(): write_manifest(out)

@@ -94,28 +94,37 @@ def test_kill_during_conversion_then_two_simultaneous_starts(tiny_gguf, tmp_path
         for s in servers:
             if s: assert s.stop() == 0
 
-def test_stale_temporary_folders_are_removed_live_ones_kept(tiny_gguf, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def converted(tiny_gguf, tmp_path_factory):
+    "A cache holding the tiny GGUF converted once (shared by the tests below)."
     from llm_engine.model import resolve_model
-    monkeypatch.setenv("LLM_ENGINE_CACHE", str(tmp_path))
-    out = resolve_model(tiny_gguf)
+    cache = tmp_path_factory.mktemp("cache")
+    os.environ["LLM_ENGINE_CACHE"] = str(cache)
+    try: return cache, resolve_model(tiny_gguf)
+    finally: del os.environ["LLM_ENGINE_CACHE"]
+
+def test_stale_temporary_folders_are_removed_live_ones_kept(tiny_gguf, converted, monkeypatch):
+    from llm_engine.model import resolve_model
+    cache, out = converted
+    monkeypatch.setenv("LLM_ENGINE_CACHE", str(cache))
     dead = subprocess.Popen(["true"]); dead.wait()                 # a pid that is surely gone
     stale, live = out.with_name(f"{out.name}.tmp{dead.pid}"), out.with_name(f"other.tmp{os.getpid()}")
     for d in (stale, live): d.mkdir(); (d / "model.safetensors").write_bytes(b"x" * 1000)
-    assert resolve_model(tiny_gguf) == out
-    assert not stale.exists() and live.exists()
+    try:
+        assert resolve_model(tiny_gguf) == out                        # a normal start, nothing to convert
+        assert not stale.exists() and live.exists()
+    finally: __import__("shutil").rmtree(live, ignore_errors=True)
 
-@pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_damaged_cache_is_rebuilt(tiny_gguf, tmp_path, monkeypatch, damage):
+def test_damaged_cache_is_rebuilt(tiny_gguf, converted, monkeypatch):
+    "Truncated, then damaged in place at the same size: each is detected at the next start and converted again."
     from llm_engine.model import resolve_model, load_model
-    monkeypatch.setenv("LLM_ENGINE_CACHE", str(tmp_path))
-    out = resolve_model(tiny_gguf)
+    cache, out = converted
+    monkeypatch.setenv("LLM_ENGINE_CACHE", str(cache))
     f = out / "model.safetensors"
     size, good = f.stat().st_size, f.read_bytes()[-4096:]
-    if damage == "truncate":
-        with open(f, "r+b") as fh: fh.truncate(size // 2)
-    else:
-        with open(f, "r+b") as fh: fh.seek(size - 100); fh.write(bytes(100))    # same size, last bytes zeroed
+    with open(f, "r+b") as fh: fh.truncate(size // 2)
     assert resolve_model(tiny_gguf) == out
     assert f.stat().st_size == size and f.read_bytes()[-4096:] == good
+    with open(f, "r+b") as fh: fh.seek(size - 100); fh.write(bytes(b ^ 0xFF for b in good[-100:]))   # same size, bytes flipped
     model, path = load_model(tiny_gguf)
-    assert path == out and not temp_folders(tmp_path)
+    assert path == out and f.read_bytes()[-4096:] == good and not temp_folders(cache)
