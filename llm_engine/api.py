@@ -433,6 +433,7 @@ async def tokenize(req: TokenizeRequest, request: Request):
     ctx = _ctx(request); ctx.check_model(req.model)
     if (req.prompt is None) == (req.messages is None): raise bad_request("prompt", "give exactly one of prompt and messages")
     if req.messages is not None:
+        if not req.messages: raise bad_request("messages", "messages must not be empty")
         ids = render_chat(ctx.tok, [{"role": m.role, "content": m.text(i)} for i, m in enumerate(req.messages)], req.add_generation_prompt)
     else: ids = ctx.tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
     body = {"count": len(ids), "max_model_len": ctx.engine.max_model_len, "tokens": ids}

@@ -147,7 +147,7 @@ def _draw(logits, rows, hot):
     ps = [rows[i].params for i in hot]
     l = (logits[hot] / torch.tensor([p.temperature for p in ps])[:, None]).clamp(max=_BIG)
     if any(p.filtered for p in ps):
-        l = filter_logits(l, torch.tensor([p.top_k if p.top_k > 0 else l.shape[-1] for p in ps]),
+        l = filter_logits(l, torch.tensor([p.top_k if 0 < p.top_k < l.shape[-1] else l.shape[-1] for p in ps]),
                           torch.tensor([p.top_p for p in ps]), torch.tensor([p.min_p for p in ps]))
     probs = l.softmax(-1)
     return [torch.multinomial(probs[j], 1, generator=rows[i].generator)[0].item() for j, i in enumerate(hot)]
