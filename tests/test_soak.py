@@ -12,13 +12,13 @@ def test_soak_short():
     srv = LoggedServer("--model", tiny_model(), "--num-blocks", "1024", "--max-num-seqs", "32", "--max-model-len", "512",
                        "--log-level", "warning")
     try:
-        res = run_soak(srv.base, srv.proc.pid, requests=400, concurrency=24, time_limit=75, warmup=150, seed=7)
+        res = run_soak(srv.base, srv.proc.pid, requests=600, concurrency=24, time_limit=50, warmup=200, seed=7)
     finally:
         rc = srv.stop()
     print("\n" + res.line())
     log = srv.log_text()
     assert res.lost == 0, res.lost_examples
     assert res.blocks_leaked == 0 and rc == 0
-    assert res.completed >= 100 and res.dropped > 0 and res.completed + res.rejected + res.dropped == res.sent
+    assert res.completed >= 50 and res.dropped > 0 and res.completed + res.rejected + res.dropped == res.sent
     assert "Traceback" not in log, log[log.index("Traceback"):][:2000]
-    assert res.growth_pct < 10, res.rss_samples
+    assert res.rss_warm is not None and res.growth_pct < 10, res.rss_samples

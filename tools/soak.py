@@ -100,10 +100,11 @@ class SoakResult:
     rss_samples: list = field(default_factory=list)   # (seconds since start, requests done, MiB)
     time_limited: bool = False
     def line(self) -> str:
+        mib = lambda v: "?" if v is None else f"{v:.0f}"
         return (f"soak: {self.sent} sent, {self.completed} completed, {self.rejected} rejected, {self.dropped} dropped by the client, "
-                f"{self.lost} lost; {self.blocks_leaked} KV blocks leaked; RSS start {self.rss_start:.0f} MiB, after warm-up "
-                f"{self.rss_warm:.0f} MiB, end {self.rss_end:.0f} MiB (peak {self.rss_peak:.0f}), growth after warm-up "
-                f"{self.growth_pct:+.1f}%; {self.seconds:.0f} s{' (time limit hit)' if self.time_limited else ''}")
+                f"{self.lost} lost; {self.blocks_leaked} KV blocks leaked; RSS start {mib(self.rss_start)} MiB, after warm-up "
+                f"{mib(self.rss_warm)} MiB, end {mib(self.rss_end)} MiB (peak {mib(self.rss_peak)}), growth after warm-up "
+                f"{'?' if self.growth_pct is None else f'{self.growth_pct:+.1f}'}%; {self.seconds:.0f} s{' (time limit hit)' if self.time_limited else ''}")
 
 def _is_error_json(text):
     try: e = json.loads(text)["error"]; return isinstance(e.get("message"), str) and bool(e["message"])
@@ -139,7 +140,7 @@ async def _one(c: httpx.AsyncClient, req: dict, res: SoakResult):
             else: lose(f"stream ended without [DONE] after {chunks} chunks")
     except (httpx.HTTPError, ValueError) as e: lose(f"{type(e).__name__}: {e}")
 
-async def _soak(base, pid, n, concurrency, time_limit, warmup, seed, sample_every):
+async def _soak(base, pid, n, concurrency, time_limit, warmup, seed, sample_every, warm_time):
     res = SoakResult()
     t0, next_i, done = time.perf_counter(), 0, 0
     res.rss_start = rss_mib(pid) if pid else None
@@ -154,11 +155,12 @@ async def _soak(base, pid, n, concurrency, time_limit, warmup, seed, sample_ever
                 res.sent += 1
                 await _one(c, req, res)
                 done += 1
-                if done == warmup and pid: res.rss_warm = rss_mib(pid)
+                if done == warmup and pid and res.rss_warm is None: res.rss_warm = rss_mib(pid)
         async def watch():
             while not stop.is_set():
                 el = time.perf_counter() - t0
                 if pid: res.rss_samples.append((round(el, 1), done, round(rss_mib(pid) or 0, 1)))
+                if pid and res.rss_warm is None and el >= warm_time: res.rss_warm = rss_mib(pid)   # warm by time if not by count
                 if el > time_limit: res.time_limited = True; stop.set(); break
                 try: await asyncio.wait_for(stop.wait(), sample_every)
                 except asyncio.TimeoutError: pass
@@ -169,15 +171,15 @@ async def _soak(base, pid, n, concurrency, time_limit, warmup, seed, sample_ever
     return res
 
 def run_soak(base, pid=None, requests=10_000, concurrency=24, time_limit=900, warmup=None, seed=0, sample_every=2.0) -> SoakResult:
-    "Drive the soak against `base`; `pid` is the server's process id (for RSS). Warm-up: the first `warmup` requests (default 20%)."
+    """Drive the soak against `base`; `pid` is the server's process id (for RSS). Warm-up ends after the first `warmup`
+    requests (default 20%) or 40% of the time limit, whichever comes first."""
     warmup = warmup or max(1, requests // 5)
-    res = asyncio.run(_soak(base, pid, requests, concurrency, time_limit, warmup, seed, sample_every))
+    res = asyncio.run(_soak(base, pid, requests, concurrency, time_limit, warmup, seed, sample_every, 0.4 * time_limit))
     s = settle(base)
     res.blocks_leaked = s["kv_blocks_used"]
     if pid:
         time.sleep(1.0)
         res.rss_end = rss_mib(pid)
-        if res.rss_warm is None: res.rss_warm = res.rss_end     # stopped by the time limit before warm-up ended
         res.rss_peak = max([m for *_, m in res.rss_samples] + [res.rss_end])
         res.growth_pct = 100 * (res.rss_end - res.rss_warm) / res.rss_warm
     return res
