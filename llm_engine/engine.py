@@ -17,6 +17,7 @@ from .sampling import SamplingParams, sample
 from .outputs import (CompletionOutput, RequestMetrics, RequestOutput, IncrementalDetokenizer,
                                  append_token, completion_output)
 from .scheduler import Scheduler, Sequence, SeqStatus
+from .trace import Tracer
 
 # %% auto 0
 __all__ = ['QueueFull', 'LLMEngine', 'AsyncLLMEngine', 'LLM']
@@ -59,6 +60,8 @@ class LLMEngine:
         self.token_log = deque(maxlen=100_000)       # (time, tokens generated) per step
         self.num_steps = self.num_generated_tokens = 0
         self._seed = itertools.count(cfg.seed * 1_000_003)
+        # why each request waited, was chunked or preempted: cheap enough to leave on (see 07c)
+        self.tracer = Tracer(cfg.trace_capacity, record_blocks=cfg.trace_blocks) if cfg.trace_capacity else None
 
     @property
     def model_name(self): return self.model_path.name
@@ -108,6 +111,7 @@ def abort(self: LLMEngine, request_id) -> RequestOutput|None:
 def step(self: LLMEngine) -> list[RequestOutput]:
     "Run one engine step; returns the outputs of every request it touched."
     out = self.scheduler.schedule()
+    rec = self.tracer.record(out, self.block_manager) if self.tracer else None
     if not out:      # a step that only preempted still has K/V to move
         if out.has_block_ops: self.runner.apply_block_ops(out)
         return [self._output(self.requests[s.request_id]) for s in out.preempted if s.request_id in self.requests]
@@ -119,13 +123,17 @@ def step(self: LLMEngine) -> list[RequestOutput]:
     samples = sample(res.logits, seqs, self.eos_ids) if seqs else []
     now, touched = time.perf_counter(), {}
     for k, (seq, smp) in enumerate(zip(seqs, samples)):
-        req = self.requests[seq.request_id]
+        req = self.requests.get(seq.request_id)
+        if req is None: continue                      # failed earlier in this step (another of its n)
+        if smp.error:                                 # non-finite logits fail this request alone
+            touched[req.request_id] = self._fail(req, ValueError(smp.error)); continue
         if req.params.n > len(req.seqs): self._fork(req, seq, res.logits[k], now)
         self._append(req, seq, smp, now)
         touched[req.request_id] = req
+        if rec is not None: rec.tokens.setdefault(req.request_id, []).append(smp.token_id)
     self.num_steps += 1; self.num_generated_tokens += len(samples)
     self.token_log.append((now, len(samples)))
-    return [self._output(r) for r in touched.values()]
+    return [r if isinstance(r, RequestOutput) else self._output(r) for r in touched.values()]
 
 @patch
 def _fork(self: LLMEngine, req: _Request, parent: Sequence, logits, now):
@@ -167,6 +175,7 @@ def _finish_request(self: LLMEngine, req: _Request) -> RequestOutput:
     m.num_output_tokens = sum(len(s.output_token_ids) for s in seqs)
     m.num_cached_tokens = seqs[0].num_cached_tokens
     self.finished_log.append(m)
+    if self.tracer: self.tracer.finish(req.request_id, self.scheduler.num_steps, req.error or seqs[0].finish_reason)
     return self._output(req)
 
 @patch
