@@ -36,6 +36,7 @@ class _Request:
     detoks: dict = field(default_factory=dict)     # seq_id -> IncrementalDetokenizer
     metrics: RequestMetrics = None
     error: str|None = None
+    prompt_logprobs: list|None = None                # filled by position as the prompt's chunks are computed
     @property
     def finished(self): return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
 
@@ -94,6 +95,7 @@ def add_request(self: LLMEngine, request_id, prompt, params: SamplingParams|None
     seq = Sequence(request_id, ids, params, priority, arrival_time, 0, gen)
     req = _Request(request_id, text, ids, params, [seq], metrics=RequestMetrics(seq.arrival_time, num_prompt_tokens=len(ids)))
     req.detoks[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+    if params.prompt_logprobs is not None: req.prompt_logprobs = [None] * len(ids)
     self.requests[request_id] = req
     self.scheduler.add(seq)
     return request_id
@@ -119,6 +121,7 @@ def step(self: LLMEngine) -> list[RequestOutput]:
     except Exception as e:    # a failed forward fails the requests in it, not the engine
         return [self._fail(self.requests[rid], e) for rid in dict.fromkeys(r.request_id for r in out.scheduled) if rid in self.requests]
     self.scheduler.update(out)
+    for k, lg in res.row_logits.items(): self._prompt_logprobs(out.scheduled[k], lg)
     seqs = [out.scheduled[i].seq for i in res.sampled]
     samples = sample(res.logits, seqs, self.eos_ids) if seqs else []
     now, touched = time.perf_counter(), {}
@@ -134,6 +137,20 @@ def step(self: LLMEngine) -> list[RequestOutput]:
     self.num_steps += 1; self.num_generated_tokens += len(samples)
     self.token_log.append((now, len(samples)))
     return [r if isinstance(r, RequestOutput) else self._output(r) for r in touched.values()]
+
+@patch
+def _prompt_logprobs(self: LLMEngine, row, logits):
+    "Logits at position p predict prompt token p+1: keep its logprob and the top `prompt_logprobs` alternatives."
+    req = self.requests.get(row.request_id)
+    if req is None or req.prompt_logprobs is None: return
+    ids, k, n0 = req.prompt_token_ids, req.params.prompt_logprobs, row.num_computed
+    lp = torch.log_softmax(logits.float(), -1)
+    for j in range(len(row.token_ids)):
+        p = n0 + j + 1
+        if p >= len(ids): break
+        entry = {ids[p]: lp[j, ids[p]].item()}
+        if k: entry.update((t, v) for v, t in zip(*map(torch.Tensor.tolist, lp[j].topk(k))) if t not in entry)
+        req.prompt_logprobs[p] = entry
 
 @patch
 def _fork(self: LLMEngine, req: _Request, parent: Sequence, logits, now):
@@ -163,7 +180,7 @@ def _append(self: LLMEngine, req: _Request, seq: Sequence, smp, now):
 def _output(self: LLMEngine, req: _Request) -> RequestOutput:
     outs = [completion_output(s) for s in sorted(req.seqs, key=lambda s: s.index)]
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished or req.error is not None
-                         or any(s.finish_reason == "abort" for s in req.seqs), req.metrics, req.error)
+                         or any(s.finish_reason == "abort" for s in req.seqs), req.metrics, req.error, req.prompt_logprobs)
 
 @patch
 def _finish_request(self: LLMEngine, req: _Request) -> RequestOutput:
