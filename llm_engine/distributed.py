@@ -202,6 +202,7 @@ class TPSpec:
     dtype: str = "float32"
     attention_backend: str = "auto"
     num_threads: int = 1
+    device: str = "cpu"                        # "cpu": gloo; "cuda": NCCL, rank r on cuda:r
     port: int = 0
     timeout_s: float = 300.0                   # a collective waiting longer than this fails
     inject_fault: tuple|None = None            # (rank, step): that rank raises at that step; for tests only
@@ -211,13 +212,14 @@ class TPWorker:
     def __init__(self, spec: TPSpec, rank: int, model: Llama|None = None):
         torch.set_num_threads(spec.num_threads)
         dtype = getattr(torch, spec.dtype)
+        self.device = torch.device(f"cuda:{rank}" if spec.device == "cuda" else "cpu")
         model = model if model is not None else load_model(spec.model_path, dtype)[0]
-        self.model, self.rank, self.spec, self.steps = shard_model(model, rank, spec.world_size), rank, spec, 0
-        prepack_linears(self.model)
+        self.model, self.rank, self.spec, self.steps = shard_model(model, rank, spec.world_size).to(self.device), rank, spec, 0
+        if self.device.type == "cpu": prepack_linears(self.model)
         lc = self.model.local_config
-        self.backend = resolve_attention_backend(spec.attention_backend, dtype, "cpu")
+        self.backend = resolve_attention_backend(spec.attention_backend, dtype, self.device.type)
         shape = (lc.num_layers, 2, spec.num_blocks, spec.block_size, lc.num_kv_heads, lc.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.cpu_cache = torch.zeros(shape[:2] + (spec.num_cpu_blocks,) + shape[3:], dtype=dtype)
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(lc.num_layers)]
 
@@ -231,9 +233,10 @@ class TPWorker:
             a, b = caches[kind]
             b[:, :, dst] = a[:, :, src]
         if not s.token_ids: return torch.empty(0, self.model.config.vocab_size)
-        md = AttentionMetadata.build(s.query_lens, s.context_lens, s.block_tables, self.spec.block_size, decode_backend=self.backend)
-        hidden = self.model(torch.tensor(s.token_ids), torch.tensor(s.positions), md, self.layer_caches)
-        return self.model.compute_logits(hidden[torch.tensor(s.logits_rows)])
+        dev = self.device
+        md = AttentionMetadata.build(s.query_lens, s.context_lens, s.block_tables, self.spec.block_size, device=dev, decode_backend=self.backend)
+        hidden = self.model(torch.tensor(s.token_ids, device=dev), torch.tensor(s.positions, device=dev), md, self.layer_caches)
+        return self.model.compute_logits(hidden[torch.tensor(s.logits_rows, device=dev)])
 
 # %% ../nbs/11b_tensor_parallel.ipynb
 def _exit_when_orphaned(interval=0.5):
@@ -247,7 +250,8 @@ def _exit_when_orphaned(interval=0.5):
 
 def _init_group(spec: TPSpec, rank):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec.port))
-    dist.init_process_group("gloo", rank=rank, world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s))
+    if spec.device == "cuda": torch.cuda.set_device(rank)     # NCCL's object broadcast uses the current device
+    dist.init_process_group("nccl" if spec.device == "cuda" else "gloo", rank=rank, world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s))
 
 def _worker_main(rank: int, spec: dict, messages):
     "Entry point of ranks 1..N-1: receive each step from rank 0 and run it, until rank 0 sends `None`."

@@ -92,3 +92,14 @@ def test_default_model_tp2_equals_tp1():
         assert run_all(e2, sp, PROMPTS) == run_all(e1, sp, PROMPTS)
         assert e2.block_manager.num_free_blocks == e1.block_manager.num_free_blocks == 64
     finally: ex.close()
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="NCCL tensor parallelism needs 2 CUDA devices")
+def test_nccl_tp2_on_two_gpus_matches_cpu(tiny):
+    from llm_engine.model import load_model, ModelRunner
+    from llm_engine.distributed import TPSpec, TensorParallelExecutor
+    ref = ModelRunner(load_model(tiny)[0], 16, 16, attention_backend="torch")
+    ex = TensorParallelExecutor(TPSpec(tiny, 2, 16, 16, attention_backend="torch", device="cuda"))
+    try:
+        for work in ([(list(range(1, 30)), 0, [0, 1])], [([5], 29, [0, 1])]):
+            assert (ref.run(work) - ex.run(work).cpu()).abs().max() < 1e-4
+    finally: ex.close()
