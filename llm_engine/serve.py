@@ -125,14 +125,14 @@ async def asgi_stream(app, method: str, path: str, body: bytes = b"", headers=()
 # %% ../nbs/11c_replicas.ipynb
 class EngineReplica:
     "One `AsyncLLMEngine` and its OpenAI app; in a Ray Serve replica, the router calls `call` through a handle."
-    def __init__(self, model=None, num_threads=1, **engine_kw):
+    def __init__(self, model=None, num_threads=1, served_model_name=None, api_key=None, **engine_kw):
         from llm_engine.engine import LLMEngine, AsyncLLMEngine
         from llm_engine.api import build_app
         self.engine = LLMEngine(model=model, num_threads=num_threads, **engine_kw)
-        self.app = build_app(AsyncLLMEngine(self.engine).start())
-    async def call(self, method: str, path: str, body: bytes = b""):
+        self.app = build_app(AsyncLLMEngine(self.engine).start(), served_model_name, api_key)
+    async def call(self, method: str, path: str, body: bytes = b"", headers=()):
         "Stream one HTTP exchange with the replica's app: `(status, headers)`, then body chunks."
-        async for item in asgi_stream(self.app, method, path, body): yield item
+        async for item in asgi_stream(self.app, method, path, body, headers): yield item
     def prefix_counters(self) -> dict:
         bm = self.engine.block_manager
         return dict(hit_tokens=bm.hit_tokens, queried_tokens=bm.queried_tokens, pid=os.getpid(), free_blocks=bm.num_free_blocks)
@@ -157,7 +157,8 @@ class ReplicaRouter:
             try: body = json.loads(raw or b"{}")
             except ValueError: body = {}
             if not isinstance(body, dict): body = {}
-        return await self.forward(method, path, raw, body, bool(body.get("stream")))
+        auth = [(b"authorization", request.headers["authorization"].encode())] if "authorization" in request.headers else []
+        return await self.forward(method, path, raw, body, bool(body.get("stream")), auth)
 
     def stats(self) -> dict:
         ds = self.router.decisions
@@ -167,7 +168,7 @@ class ReplicaRouter:
 
 # %% ../nbs/11c_replicas.ipynb
 @patch
-async def forward(self: ReplicaRouter, method, path, raw, body, stream):
+async def forward(self: ReplicaRouter, method, path, raw, body, stream, headers=()):
     "Non-streamed requests are retried on another replica after any failure; streamed ones until their first byte."
     from starlette.responses import JSONResponse, Response, StreamingResponse
     tried = [r for r, t in self.down.items() if t > time.monotonic()]
@@ -176,7 +177,7 @@ async def forward(self: ReplicaRouter, method, path, raw, body, stream):
         except RuntimeError: return JSONResponse({"error": {"message": "no engine replica is available", "type": "service_unavailable"}}, 503)
         name = d.replica
         self.router.inflight[name] += 1
-        gen, done = self.handles[name].options(stream=True).call.remote(method, path, raw), False
+        gen, done = self.handles[name].options(stream=True).call.remote(method, path, raw, headers), False
         try:
             status, headers = await gen.__anext__()
             if stream:
@@ -208,23 +209,24 @@ async def metrics(self: ReplicaRouter) -> str:
     return merge_metrics(texts)
 
 # %% ../nbs/11c_replicas.ipynb
-def replica_app(model=None, replicas=2, max_inflight=8, prefix_chars=512, num_cpus_per_replica=1.0, num_threads=1, **engine_kw):
+def replica_app(model=None, replicas=2, max_inflight=8, prefix_chars=512, num_cpus_per_replica=1.0, num_threads=1,
+                served_model_name=None, api_key=None, **engine_kw):
     "The Ray Serve application: `replicas` engine deployments (one replica each) behind one `ReplicaRouter` ingress."
     from ray import serve
     rep = serve.deployment(EngineReplica, ray_actor_options={"num_cpus": num_cpus_per_replica}, health_check_period_s=2)
-    handles = {f"replica-{i}": rep.options(name=f"replica-{i}").bind(model, num_threads, **engine_kw) for i in range(replicas)}
+    handles = {f"replica-{i}": rep.options(name=f"replica-{i}").bind(model, num_threads, served_model_name, api_key, **engine_kw) for i in range(replicas)}
     router = serve.deployment(ReplicaRouter, name="router", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
     return router.bind(handles, max_inflight, prefix_chars)
 
-def serve_replicas(model=None, replicas=2, host="127.0.0.1", port=8000, ray_address=None, max_inflight=8, prefix_chars=512,
-                   num_cpus_per_replica=1.0, num_threads=1, blocking=True, **engine_kw) -> str:
+def serve_replicas(model=None, replicas=2, host="127.0.0.1", port=8000, api_key=None, served_model_name=None, ray_address=None,
+                   max_inflight=8, prefix_chars=512, num_cpus_per_replica=1.0, num_threads=1, blocking=True, **engine_kw) -> str:
     "`llm-engine serve --replicas N`: start (or join, with `ray_address`) Ray, deploy, and serve on `host:port`; returns the URL."
     import ray
     from ray import serve
     if not ray.is_initialized():
         ray.init(address=ray_address, include_dashboard=False, **({} if ray_address else {"num_cpus": max(os.cpu_count() or 1, 1)}))
     serve.start(http_options={"host": host, "port": port})
-    serve.run(replica_app(model, replicas, max_inflight, prefix_chars, num_cpus_per_replica, num_threads, **engine_kw),
+    serve.run(replica_app(model, replicas, max_inflight, prefix_chars, num_cpus_per_replica, num_threads, served_model_name, api_key, **engine_kw),
               name="llm_engine", route_prefix="/")
     url = f"http://{host}:{port}"
     print(f"llm_engine: {replicas} replicas behind {url}/v1 (prefix-aware router; /metrics aggregates them)", flush=True)

@@ -44,6 +44,15 @@ def test_shared_system_prompt_sticks_to_one_replica_and_unrelated_spread(url):
     m = c.get("/metrics").text
     assert all(f'llm_engine_requests_finished{{replica="{r}"}}' in m for r in REPLICAS)
 
+def test_streaming_and_errors_pass_through(url):
+    c = httpx.Client(base_url=url, timeout=120)
+    with c.stream("POST", "/v1/chat/completions", json={"messages": [SYSTEM, {"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [l for l in r.iter_lines() if l.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+    r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 0})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+
 def replica_actor(name):
     hits = [a for a in ray.util.list_named_actors(all_namespaces=True) if f"#{name}#" in a["name"]]
     assert len(hits) == 1, hits
