@@ -103,3 +103,21 @@ def test_nccl_tp2_on_two_gpus_matches_cpu(tiny):
         for work in ([(list(range(1, 30)), 0, [0, 1])], [([5], 29, [0, 1])]):
             assert (ref.run(work) - ex.run(work).cpu()).abs().max() < 1e-4
     finally: ex.close()
+
+def test_async_engine_and_openai_app_on_two_ranks(tiny):
+    "The server's path: AsyncLLMEngine's loop thread drives the collectives; the OpenAI app answers as with one process."
+    import asyncio, httpx
+    from llm_engine.engine import AsyncLLMEngine
+    from llm_engine.api import build_app
+    e1, e2 = LLMEngine(model=tiny, num_blocks=64, attention_backend="torch"), LLMEngine(model=tiny, num_blocks=64, attention_backend="torch")
+    ex = attach_tensor_parallel(e2, 2)
+    body = {"prompt": "Tensor parallel", "max_tokens": 8, "temperature": 0}
+    async def ask(eng):
+        aeng = AsyncLLMEngine(eng).start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(aeng)), base_url="http://t") as c:
+                return (await c.post("/v1/completions", json=body)).json()["choices"][0]["text"]
+        finally: aeng.shutdown()
+    try: assert asyncio.run(ask(e2)) == asyncio.run(ask(e1))
+    finally: ex.close()
+    assert [p.exitcode for p in ex.procs] == [0]
