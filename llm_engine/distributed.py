@@ -273,6 +273,8 @@ def _worker_main(rank: int, spec: dict, messages):
         except Exception: pass
         os._exit(1)     # skip atexit/destructors that would wait on peers that are gone
     dist.destroy_process_group()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)         # no interpreter teardown: a C++ thread torn down in a static destructor can abort the exit
 
 # %% ../nbs/11b_tensor_parallel.ipynb
 class TPWorkerError(RuntimeError): "A tensor-parallel rank failed or went away; the executor is closed."
