@@ -62,7 +62,8 @@ def test_killing_a_replica_under_load_loses_no_request(url):
     c = httpx.Client(base_url=url, timeout=180)
     results, threads = {}, []
     def one(i):
-        body = {"prompt": f"story {i}: once upon a time {i * 31}", "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+        # long generations (seconds each), so the kill below surely lands while some are running on replica-1
+        body = {"prompt": f"story {i}: once upon a time {i * 31}", "max_tokens": 600, "ignore_eos": True, "temperature": 0}
         with httpx.Client(base_url=url, timeout=180) as cl: results[i] = cl.post("/v1/completions", json=body).status_code
     for i in range(16):
         threads.append(threading.Thread(target=one, args=(i,))); threads[-1].start()
