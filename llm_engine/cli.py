@@ -4,43 +4,70 @@
 
 # %% ../nbs/11_cli.ipynb 3
 from __future__ import annotations
-import argparse, os, sys
+import argparse, dataclasses, os, sys
 
 # %% auto 0
-__all__ = ['build_parser', 'main']
+__all__ = ['HELP', 'FLAGS', 'SKIP', 'SIZES', 'add_config_args', 'config_kw', 'build_parser', 'main']
 
 # %% ../nbs/11_cli.ipynb
+HELP = {
+    "model": "model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    "dtype": "weights and KV cache dtype", "num_threads": "torch intra-op threads",
+    "attention_backend": "decode attention: C++ kernel over the paged cache (cpp), PyTorch gather + SDPA (torch), or auto",
+    "num_blocks": "KV cache size in blocks (wins over --kv-cache-memory)", "kv_cache_memory": "KV cache size, e.g. 512MiB or 2GiB",
+    "swap_space": "CPU swap space for preempted sequences", "max_waiting": "queued requests before new ones get 503",
+    "enable_prefix_caching": "turn the prefix cache off", "max_model_len": "prompt + output limit (default: the model's context)",
+    "api_key": "require this bearer token (or env LLM_ENGINE_API_KEY)", "allowed_origins": "CORS origins, comma-separated ('*' for any)",
+    "served_model_name": "the model's name in the API (default: the model's name without cache suffixes)",
+    "limit_concurrency": "connections beyond this get 503 (default: 90%% of the open-file limit)",
+    "timeout_keep_alive": "seconds before an idle keep-alive connection is closed",
+}
+FLAGS = {"num_threads": ["--threads", "--num-threads"], "enable_prefix_caching": ["--no-prefix-caching"]}
+SKIP = {"seed", "cache", "scheduler"}   # the engine seed is not a CLI knob; sub-configs are flattened
+SIZES = {"kv_cache_memory", "swap_space", "max_body_bytes"}
+
+def _arg_type(name, t: str):
+    if name in SIZES: return str
+    if t.startswith("list"): return lambda s: [x.strip() for x in s.split(",") if x.strip()]
+    return int if t.startswith("int") else float if t.startswith("float") else str
+
+# %% ../nbs/11_cli.ipynb
+def add_config_args(p, cls, title):
+    "One option per field of dataclass `cls` (bool fields become on/off switches)."
+    g = p.add_argument_group(title)
+    for f in dataclasses.fields(cls):
+        if f.name in SKIP: continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        flags, h = FLAGS.get(f.name, ["--" + f.name.replace("_", "-")]), HELP.get(f.name, "")
+        if f.type == "bool":
+            flags = FLAGS.get(f.name, ["--no-" + f.name.replace("_", "-")] if default else ["--" + f.name.replace("_", "-")])
+            g.add_argument(*flags, dest=f.name, action="store_false" if default else "store_true", default=argparse.SUPPRESS, help=h)
+            continue
+        choices = ["auto", "cpp", "torch"] if f.name == "attention_backend" else None
+        g.add_argument(*flags, dest=f.name, type=_arg_type(f.name, f.type), default=argparse.SUPPRESS, choices=choices,
+                       help=h if default is None else f"{h} (default: {_show(f.name, default)})".lstrip())
+
+def _show(name, v): return f"{v // 2**20}MiB" if name in SIZES and isinstance(v, int) else v
+
+def config_kw(a, cls) -> dict:
+    "The options of `cls` given on the command line."
+    return {f.name: getattr(a, f.name) for f in dataclasses.fields(cls) if f.name not in SKIP and hasattr(a, f.name)}
+
 def _engine_args(p):
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks (wins over --kv-cache-memory)")
-    g.add_argument("--kv-cache-memory", default="512MiB", help="KV cache size, e.g. 512MiB or 2GiB")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--swap-space", default="256MiB", help="CPU swap space for preempted sequences")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-waiting", type=int, default=1024, help="queued requests before new ones get 503")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    g.add_argument("--attention-backend", choices=["auto", "cpp", "torch"], default="auto",
-                   help="decode attention: C++ kernel over the paged cache, PyTorch gather + SDPA, or auto (kernel if it compiles)")
+    from llm_engine.config import EngineConfig, CacheConfig, SchedulerConfig
+    for cls, title in ((EngineConfig, "engine"), (CacheConfig, "KV cache"), (SchedulerConfig, "scheduler")): add_config_args(p, cls, title)
 
 def _engine_kw(a) -> dict:
-    return dict(num_blocks=a.num_blocks, kv_cache_memory=a.kv_cache_memory, block_size=a.block_size, swap_space=a.swap_space,
-                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-                max_waiting=a.max_waiting, enable_prefix_caching=not a.no_prefix_caching, num_threads=a.threads,
-                attention_backend=a.attention_backend)
+    from llm_engine.config import EngineConfig, CacheConfig, SchedulerConfig
+    return {k: v for cls in (EngineConfig, CacheConfig, SchedulerConfig) for k, v in config_kw(a, cls).items()}
 
+# %% ../nbs/11_cli.ipynb
 def build_parser() -> argparse.ArgumentParser:
+    from llm_engine.api import ServerConfig
     ap = argparse.ArgumentParser(prog="llm-engine", description="A vLLM-style inference engine and OpenAI-compatible server.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="start the OpenAI-compatible server")
-    _engine_args(s)
-    s.add_argument("--host", default="127.0.0.1"); s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=os.environ.get("LLM_ENGINE_API_KEY"), help="require this bearer token (env LLM_ENGINE_API_KEY)")
-    s.add_argument("--served-model-name", default=None)
-    s.add_argument("--log-level", default="info")
+    _engine_args(s); add_config_args(s, ServerConfig, "server")
     g = sub.add_parser("generate", help="print one completion")
     _engine_args(g)
     g.add_argument("prompt"); g.add_argument("--max-tokens", type=int, default=64)
@@ -65,6 +92,25 @@ def _stream(engine, prompt, params, out=None) -> str:
             out.write(text[shown:]); out.flush(); shown = len(text)
     out.write("\n"); return text
 
+def _serve(a):
+    from llm_engine.api import serve, ServerConfig
+    from llm_engine.config import EngineConfig
+    kw = config_kw(a, ServerConfig)
+    kw.setdefault("api_key", os.environ.get("LLM_ENGINE_API_KEY"))
+    return serve(ServerConfig(**kw), EngineConfig.create(**_engine_kw(a)))
+
+def _chat(eng, a):
+    from llm_engine.api import render_chat
+    from llm_engine.sampling import SamplingParams
+    msgs = [{"role": "system", "content": a.system}] if a.system else []
+    print(f"llm_engine chat on {eng.model_name} (Ctrl-D to quit)")
+    while True:
+        try: line = input("> ")
+        except EOFError: break
+        if not line.strip(): continue
+        msgs.append({"role": "user", "content": line})
+        msgs.append({"role": "assistant", "content": _stream(eng, render_chat(eng.tokenizer, msgs), SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature))})
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
@@ -72,27 +118,18 @@ def main(argv=None):
         return bench_main(argv[1:])
     a = build_parser().parse_args(argv)
     try:
-        if a.cmd == "serve":
-            from llm_engine.api import serve
-            return serve(a.model, a.host, a.port, a.api_key, a.served_model_name, a.log_level, **_engine_kw(a))
+        if a.cmd == "serve": return _serve(a)
         from llm_engine.engine import LLMEngine
         from llm_engine.config import EngineConfig
         from llm_engine.sampling import SamplingParams
-        eng = LLMEngine(EngineConfig.create(model=a.model, **_engine_kw(a)))
-        if a.cmd == "generate":
+        eng = LLMEngine(EngineConfig.create(**_engine_kw(a)))
+        if a.cmd == "chat": _chat(eng, a)
+        else:
             prompt = a.prompt
-            if a.chat: prompt = eng.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+            if a.chat:
+                from llm_engine.api import render_chat
+                prompt = render_chat(eng.tokenizer, [{"role": "user", "content": prompt}])
             _stream(eng, prompt, SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed))
-        elif a.cmd == "chat":
-            msgs = [{"role": "system", "content": a.system}] if a.system else []
-            print(f"llm_engine chat on {eng.model_name} (Ctrl-D to quit)")
-            while True:
-                try: line = input("> ")
-                except EOFError: break
-                if not line.strip(): continue
-                msgs.append({"role": "user", "content": line})
-                prompt = eng.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-                msgs.append({"role": "assistant", "content": _stream(eng, prompt, SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature))})
     except (ValueError, FileNotFoundError) as e:
         print(f"llm-engine: error: {e}", file=sys.stderr); return 2
     return 0

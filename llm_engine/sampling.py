@@ -6,11 +6,17 @@
 from __future__ import annotations
 from dataclasses import dataclass, field
 import torch
+from fastcore.basics import patch
 
 # %% auto 0
-__all__ = ['SamplingParams', 'SampleOutput', 'apply_penalties', 'filter_logits', 'sample', 'find_stop']
+__all__ = ['BadParam', 'SamplingParams', 'SampleOutput', 'apply_penalties', 'filter_logits', 'apply_processors', 'sample',
+           'find_stop']
 
 # %% ../nbs/06_sampling.ipynb
+class BadParam(ValueError):
+    "A bad sampling parameter; `param` names it (the server's 400 says which field)."
+    def __init__(self, param, message): super().__init__(message); self.param = param
+
 @dataclass
 class SamplingParams:
     "How to sample one request's output: vLLM's names and defaults."
@@ -29,27 +35,20 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int|None = None
+    prompt_logprobs: int|None = None         # per prompt token: {token_id: logprob} of it and the top alternatives
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float]|None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int]|None = None  # only these may be sampled
+    bad_words: list[str]|None = None          # never completed; `bad_words_token_ids` holds them tokenized
+    bad_words_token_ids: list[list[int]]|None = None
 
     def __post_init__(self):
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        def check(ok, msg):
-            if not ok: raise ValueError(msg)
-        check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        check(0 <= self.temperature, f"temperature must be >= 0, got {self.temperature}")
-        check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 0), f"top_k must be -1 (off) or >= 0, got {self.top_k}")
-        check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
-        check(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        check(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        check(self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens), "min_tokens must be in [0, max_tokens]")
-        check(self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}")
-        check(all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them")
-        check(all(isinstance(t, int) for t in self.stop_token_ids), "stop_token_ids must be integers")
+        self.bad_words_token_ids = [list(s) for s in self.bad_words_token_ids or [] if s]
+        for name, ok, msg in self._checks():
+            if not ok: raise BadParam(name, msg)
 
     @property
     def greedy(self): return self.temperature < 1e-5
@@ -57,6 +56,34 @@ class SamplingParams:
     def filtered(self): return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
     @property
     def penalized(self): return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+    @property
+    def processed(self): return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids)
+
+# %% ../nbs/06_sampling.ipynb
+@patch
+def _checks(self: SamplingParams):
+    "(field, ok, message) for every constraint; the first failing one is raised as `BadParam`."
+    isint = lambda x: isinstance(x, int) and not isinstance(x, bool)
+    return [
+        ("n", isint(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
+        ("max_tokens", self.max_tokens is None or (isint(self.max_tokens) and self.max_tokens >= 1), f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+        ("temperature", 0 <= self.temperature < float("inf"), f"temperature must be >= 0 and finite, got {self.temperature}"),
+        ("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+        ("top_k", isint(self.top_k) and self.top_k >= -1, f"top_k must be -1 or 0 (off) or > 0, got {self.top_k}"),
+        ("min_p", 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+        ("presence_penalty", -2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+        ("frequency_penalty", -2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+        ("repetition_penalty", 0 < self.repetition_penalty < float("inf"), f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}"),
+        ("min_tokens", self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens), "min_tokens must be in [0, max_tokens]"),
+        ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+        ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
+        ("stop", all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them"),
+        ("stop_token_ids", all(isint(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids"),
+        ("logit_bias", all(isint(k) and k >= 0 and -100 <= v <= 100 for k, v in (self.logit_bias or {}).items()),
+         "logit_bias maps token ids to values in [-100, 100]"),
+        ("allowed_token_ids", self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0 and all(isint(t) and t >= 0 for t in self.allowed_token_ids)),
+         "allowed_token_ids must be a non-empty list of token ids"),
+    ]
 
 # %% ../nbs/06_sampling.ipynb
 @dataclass
@@ -64,6 +91,7 @@ class SampleOutput:
     token_id: int
     logprob: float|None = None
     top_logprobs: dict = field(default_factory=dict)   # token id -> logprob
+    error: str|None = None                              # this row could not be sampled (its logits were not finite)
 
 def apply_penalties(logits, rows):
     "Repetition, presence and frequency penalties, in place, row by row (only rows that ask)."
@@ -76,11 +104,14 @@ def apply_penalties(logits, rows):
             seen = torch.zeros(V, dtype=torch.bool)
             seen[torch.tensor(list(r.prompt_token_ids) + list(r.output_token_ids), dtype=torch.long)] = True
             l = logits[i]
-            logits[i] = torch.where(seen, torch.where(l > 0, l / p.repetition_penalty, l * p.repetition_penalty), l)
+            # a tiny penalty would push a finite logit past float32's range: clamp, never inf
+            logits[i] = torch.where(seen, torch.where(l > 0, l / p.repetition_penalty, l * p.repetition_penalty), l).clamp(-_BIG, _BIG)
         if len(out) and (p.presence_penalty or p.frequency_penalty):
             counts = torch.bincount(out, minlength=V).to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
+
+_BIG = torch.finfo(torch.float32).max / 4
 
 def filter_logits(logits, top_k, top_p, min_p):
     "Mask (to -inf) what top-k, top-p and min-p exclude; `top_k`, `top_p`, `min_p` are per-row tensors."
@@ -91,34 +122,60 @@ def filter_logits(logits, top_k, top_p, min_p):
     drop[:, 0] = False   # the most likely token always survives
     return logits.scatter(-1, idx, sorted_l.masked_fill(drop, float("-inf")))
 
+# %% ../nbs/06_sampling.ipynb
+def _bans(p, out) -> list[int]:
+    "Tokens that would complete one of the row's bad words after the output `out`."
+    return [s[-1] for s in p.bad_words_token_ids or [] if len(s) == 1 or (len(out) >= len(s) - 1 and out[len(out) - len(s) + 1:] == s[:-1])]
+
+def apply_processors(logits, rows, end_ids=()):
+    "logit_bias, allowed_token_ids, bad_words and min_tokens, in place, only on the rows that ask."
+    for i, r in enumerate(rows):
+        p, out = r.params, list(r.output_token_ids)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+        if p.allowed_token_ids is not None:
+            keep = torch.full_like(logits[i], float("-inf")); keep[p.allowed_token_ids] = 0
+            logits[i] += keep
+        if bans := _bans(p, out): logits[i, bans] = float("-inf")
+        if len(out) < p.min_tokens: logits[i, list(end_ids) + p.stop_token_ids] = float("-inf")
+    return logits
+
+# %% ../nbs/06_sampling.ipynb
+def _draw(logits, rows, hot):
+    "Temperature, top-k/top-p/min-p and one seeded draw for each non-greedy row in `hot`."
+    ps = [rows[i].params for i in hot]
+    l = (logits[hot] / torch.tensor([p.temperature for p in ps])[:, None]).clamp(max=_BIG)
+    if any(p.filtered for p in ps):
+        l = filter_logits(l, torch.tensor([p.top_k if p.top_k > 0 else l.shape[-1] for p in ps]),
+                          torch.tensor([p.top_p for p in ps]), torch.tensor([p.min_p for p in ps]))
+    probs = l.softmax(-1)
+    return [torch.multinomial(probs[j], 1, generator=rows[i].generator)[0].item() for j, i in enumerate(hot)]
+
+def _add_logprobs(outs, rows, lp):
+    for i, (r, o) in enumerate(zip(rows, outs)):
+        if r.params.logprobs is None or o.error: continue
+        o.logprob = lp[i, o.token_id].item()
+        if r.params.logprobs:
+            v, ix = lp[i].topk(r.params.logprobs)
+            o.top_logprobs = dict(zip(ix.tolist(), v.tolist()))
+
 def sample(logits: torch.Tensor, rows, end_ids=()) -> list[SampleOutput]:
-    "One token per row of `logits` `[B, vocab]`, each by its row's `SamplingParams`."
+    "One token per row of `logits` `[B, vocab]`, each by its row's `SamplingParams`; a row that cannot be sampled gets `error`."
     logits = logits.float()
     lp = logits.log_softmax(-1) if any(r.params.logprobs is not None for r in rows) else None
-    if any(r.params.penalized or len(r.output_token_ids) < r.params.min_tokens for r in rows):
-        logits = apply_penalties(logits.clone(), rows)
-        for i, r in enumerate(rows):
-            if len(r.output_token_ids) < r.params.min_tokens:
-                logits[i, list(end_ids) + r.params.stop_token_ids] = float("-inf")
-    tokens = logits.argmax(-1)
-    hot = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if any(r.params.penalized or r.params.processed or len(r.output_token_ids) < r.params.min_tokens for r in rows):
+        logits = apply_processors(apply_penalties(logits.clone(), rows), rows, end_ids)
+    # a row with a NaN or +inf, or with every token masked, fails alone; the others are sampled as usual
+    bad = (logits.isnan() | (logits == float("inf"))).any(-1) | (logits == float("-inf")).all(-1)
+    if bad.any(): logits = logits.masked_fill(bad[:, None], 0.0)
+    tokens = logits.argmax(-1).tolist()
+    hot = [i for i, r in enumerate(rows) if not r.params.greedy and not bad[i]]
     if hot:
-        ps = [rows[i].params for i in hot]
-        l = logits[hot] / torch.tensor([p.temperature for p in ps])[:, None]
-        if any(p.filtered for p in ps):
-            l = filter_logits(l, torch.tensor([p.top_k if p.top_k > 0 else l.shape[-1] for p in ps]),
-                              torch.tensor([p.top_p for p in ps]), torch.tensor([p.min_p for p in ps]))
-        probs = l.softmax(-1)
-        for j, i in enumerate(hot): tokens[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
-    tokens = tokens.tolist()
-    outs = [SampleOutput(t) for t in tokens]
-    if lp is not None:
-        for i, (r, o) in enumerate(zip(rows, outs)):
-            if r.params.logprobs is None: continue
-            o.logprob = lp[i, o.token_id].item()
-            if r.params.logprobs:
-                v, ix = lp[i].topk(r.params.logprobs)
-                o.top_logprobs = dict(zip(ix.tolist(), v.tolist()))
+        for i, t in zip(hot, _draw(logits, rows, hot)): tokens[i] = t
+    outs = [SampleOutput(t, error="the logits are not finite (NaN or inf), or every token is masked" if bad[i] else None)
+            for i, t in enumerate(tokens)]
+    if lp is not None: _add_logprobs(outs, rows, lp)
     return outs
 
 # %% ../nbs/06_sampling.ipynb

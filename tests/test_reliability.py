@@ -31,7 +31,9 @@ def settle(base, timeout=20):
 
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "stop",
           "seed", "stream", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "echo", "user", "stream_options",
-          "ignore_eos", "priority", "min_p", "repetition_penalty"]
+          "ignore_eos", "priority", "min_p", "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "min_tokens",
+          "stop_token_ids", "return_token_ids", "return_tokens_as_token_ids", "truncate_prompt_tokens", "prompt_logprobs", "tools",
+          "response_format"]
 json_scalar = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(-1e6, 1e6, allow_nan=False),
                         st.text(max_size=30))
 json_value = st.recursive(json_scalar, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=10)

@@ -42,7 +42,7 @@ def test_bad_request_gets_error_json(client, server):
     r = httpx.post(f"{server.base}/v1/chat/completions", json={"messages": MSG, "max_tokens": -1})
     err = r.json()["error"]
     assert r.status_code == 400 and err["message"] and {"type", "param", "code"} <= set(err)
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="x")
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.completions.create(model=model_id(client), prompt="hello " * 9000, max_tokens=4)
