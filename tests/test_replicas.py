@@ -63,16 +63,20 @@ def test_killing_a_replica_under_load_loses_no_request(url):
     results, threads = {}, []
     def one(i):
         # long generations (seconds each), so the kill below surely lands while some are running on replica-1
-        body = {"prompt": f"story {i}: once upon a time {i * 31}", "max_tokens": 600, "ignore_eos": True, "temperature": 0}
+        body = {"prompt": f"story {i}: once upon a time {i * 31}", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
         with httpx.Client(base_url=url, timeout=180) as cl: results[i] = cl.post("/v1/completions", json=body).status_code
     for i in range(16):
         threads.append(threading.Thread(target=one, args=(i,))); threads[-1].start()
     deadline = time.time() + 60          # kill replica-1 once requests are in flight on it
-    while c.get("/router/stats").json()["inflight"].get("replica-1", 0) == 0 and time.time() < deadline: time.sleep(0.05)
-    ray.kill(replica_actor("replica-1"), no_restart=True)
+    victim = replica_actor("replica-1")
+    while c.get("/router/stats").json()["inflight"].get("replica-1", 0) < 2 and time.time() < deadline: time.sleep(0.05)
+    t_kill = time.time()
+    ray.kill(victim, no_restart=True)
     for t in threads: t.join(180)
     assert results == {i: 200 for i in range(16)}, results
     st = c.get("/router/stats").json()
-    assert st["failures"].get("replica-1", 0) >= 1 and "replica-1" in st["down"]
+    print(f"all 16 answered {time.time() - t_kill:.1f} s after the kill; router stats {st}")
+    # the requests that were running on replica-1 failed there and were answered by replica-0
+    assert st["failures"].get("replica-1", 0) >= 1 and st["routed"]["replica-0"].get("retry", 0) == st["failures"]["replica-1"]
     r = c.post("/v1/completions", json={"prompt": "still there?", "max_tokens": 2})
     assert r.status_code == 200
