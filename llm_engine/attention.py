@@ -10,11 +10,39 @@ import hashlib, os, platform, tempfile, warnings
 from pathlib import Path
 import torch
 import torch.nn.functional as F
+import llm_engine
 from .config import cache_root
 
 # %% auto 0
-__all__ = ['DECODE_KERNEL_SRC', 'AttentionMetadata', 'store_kv', 'paged_attention', 'decode_attention', 'load_decode_kernel',
-           'resolve_attention_backend']
+__all__ = ['DECODE_KERNEL_PATH', 'DECODE_KERNEL_SRC', 'plot_block_tables', 'AttentionMetadata', 'store_kv', 'paged_attention',
+           'decode_attention', 'load_decode_kernel', 'resolve_attention_backend']
+
+# %% ../nbs/03_paged_attention.ipynb
+def plot_block_tables(tables: dict, num_blocks: int, cols=4, ax=None):
+    "Draw each sequence's block table (logical blocks, left) with arrows to the physical blocks (right)."
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+    if ax is None: _, ax = plt.subplots(figsize=(6, 3.2), dpi=80)
+    cmap, rows = plt.get_cmap("tab10"), max(-(-num_blocks // cols), round(1.4 * len(tables)))
+    users = {}
+    for s, t in tables.items():
+        for b in t: users.setdefault(b, []).append(s)
+    px = lambda b: (6 + b % cols, rows - 1 - b // cols)         # physical block b's corner
+    for r, (s, t) in enumerate(tables.items()):
+        y = rows - 1 - r * 1.4
+        ax.text(-0.3, y + 0.45, s, ha="right", va="center", fontsize=10)
+        for i, b in enumerate(t):
+            ax.add_patch(Rectangle((i, y), 0.9, 0.9, facecolor=cmap(r), alpha=0.8)); ax.text(i + 0.45, y + 0.45, str(i), ha="center", va="center", fontsize=8)
+            x1, y1 = px(b)
+            ax.annotate("", (x1 + 0.05, y1 + 0.45), (i + 0.9, y + 0.45), arrowprops=dict(arrowstyle="->", color=cmap(r), lw=0.8, alpha=0.7))
+    for b in range(num_blocks):
+        x, y = px(b); us = users.get(b, [])
+        color = cmap(list(tables).index(us[0])) if us else "white"
+        ax.add_patch(Rectangle((x, y), 0.9, 0.9, facecolor=color, edgecolor="0.4", alpha=0.8 if us else 1, hatch="//" if len(us) > 1 else None))
+        ax.text(x + 0.45, y + 0.45, str(b), ha="center", va="center", fontsize=8)
+    ax.text(2, rows + 0.2, "block tables (logical)", ha="center"); ax.text(6 + cols / 2, rows + 0.2, "physical blocks", ha="center")
+    ax.set_xlim(-1.2, 6.2 + cols); ax.set_ylim(-0.3, rows + 0.7); ax.set_aspect("equal"); ax.axis("off")
+    return ax
 
 # %% ../nbs/03_paged_attention.ipynb
 @dataclass
@@ -85,7 +113,7 @@ def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float) ->
         v = _gather(v_cache, md.prefill_block_tables[i], cl).transpose(0, 1)[None]
         qi = q[start:start + ql].transpose(0, 1)[None]
         # queries are the last `ql` positions: query j sees keys 0..(cl-ql+j)
-        mask = None if ql == cl else (torch.arange(cl)[None] <= torch.arange(cl - ql, cl)[:, None])
+        mask = None if ql == cl else (torch.arange(cl, device=q.device)[None] <= torch.arange(cl - ql, cl, device=q.device)[:, None])
         o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
         out[start:start + ql] = o[0].transpose(0, 1)
         start += ql
@@ -106,112 +134,8 @@ def decode_attention(q, k_cache, v_cache, block_tables, mask, scale):
     return o.squeeze(2)
 
 # %% ../nbs/03_paged_attention.ipynb
-DECODE_KERNEL_SRC = r"""
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-#include <algorithm>
-#include <cmath>
-#include <vector>
-
-// one sequence: scores, softmax, weighted values. DC: head_dim known at compile time (0: use D)
-template <int DC>
-static void decode_one(float* ob, const float* qb, const float* kp, const float* vp, const int64_t* table, int64_t L,
-                       int64_t H, int64_t G, int64_t Dr, int64_t bs, int64_t kb, int64_t kt, int64_t kh,
-                       int64_t vb, int64_t vt, int64_t vh, float sc, std::vector<float>& s) {
-  const int64_t D = DC ? DC : Dr, nblk = (L + bs - 1) / bs;
-  // blocks lie anywhere in the pool, which defeats the hardware prefetcher: ask for the next ones ourselves
-  auto prefetch = [&](const float* base, int64_t stride, int64_t i) {
-    if (i >= nblk) return;
-    const char* p = (const char*)(base + table[i] * stride);
-    for (int64_t off = 0; off < bs * kt * (int64_t)sizeof(float); off += 64) __builtin_prefetch(p + off);
-  };
-  s.resize(H * L);
-  prefetch(kp, kb, 0); prefetch(kp, kb, 1);
-  for (int64_t i = 0; i < nblk; ++i) {            // scores: every head against each key row of block i
-    prefetch(kp, kb, i + 2);
-    const float* blk = kp + table[i] * kb;
-    const int64_t l0 = i * bs, n = std::min(bs, L - l0);
-    for (int64_t h = 0; h < H; ++h) {
-      const float* qh = qb + h * D; const float* kk = blk + (h / G) * kh;
-      int64_t t = 0;
-      for (; t + 4 <= n; t += 4) {               // four independent dot products at a time
-        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-        const float *k0 = kk + t * kt, *k1 = k0 + kt, *k2 = k1 + kt, *k3 = k2 + kt;
-        #pragma omp simd reduction(+:a0,a1,a2,a3)
-        for (int64_t d = 0; d < D; ++d) { const float x = qh[d]; a0 += x * k0[d]; a1 += x * k1[d]; a2 += x * k2[d]; a3 += x * k3[d]; }
-        float* sh = s.data() + h * L + l0 + t;
-        sh[0] = a0 * sc; sh[1] = a1 * sc; sh[2] = a2 * sc; sh[3] = a3 * sc;
-      }
-      for (; t < n; ++t) {
-        float a = 0.f; const float* k0 = kk + t * kt;
-        #pragma omp simd reduction(+:a)
-        for (int64_t d = 0; d < D; ++d) a += qh[d] * k0[d];
-        s[h * L + l0 + t] = a * sc;
-      }
-    }
-  }
-  for (int64_t h = 0; h < H; ++h) {              // softmax per head
-    float* sh = s.data() + h * L; float m = sh[0], sum = 0.f;
-    for (int64_t l = 1; l < L; ++l) m = std::max(m, sh[l]);
-    #pragma omp simd reduction(+:sum)
-    for (int64_t l = 0; l < L; ++l) { sh[l] = std::exp(sh[l] - m); sum += sh[l]; }
-    const float inv = 1.f / sum;
-    for (int64_t l = 0; l < L; ++l) sh[l] *= inv;
-  }
-  std::fill(ob, ob + H * D, 0.f);                // weighted sum of the value rows, block by block
-  prefetch(vp, vb, 0); prefetch(vp, vb, 1);
-  for (int64_t i = 0; i < nblk; ++i) {
-    prefetch(vp, vb, i + 2);
-    const float* blk = vp + table[i] * vb;
-    const int64_t l0 = i * bs, n = std::min(bs, L - l0);
-    for (int64_t h = 0; h < H; ++h) {
-      float acc[DC ? DC : 1024];                  // this head's output row, kept in registers when DC is known
-      float* o = ob + h * D; const float* vv = blk + (h / G) * vh; const float* p = s.data() + h * L + l0;
-      for (int64_t d = 0; d < D; ++d) acc[d] = o[d];
-      for (int64_t t = 0; t < n; ++t) {
-        const float w = p[t]; const float* vt_ = vv + t * vt;
-        #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[d] += w * vt_[d];
-      }
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d];
-    }
-  }
-}
-
-// out[b, h] = softmax(scale * q[b, h] . K_b) V_b, where K_b, V_b are read in place through block_tables[b]
-static void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                         const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && q.sizes() == out.sizes(), "q, out: contiguous [B, H, D]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat, "fp32 only");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && k_cache.size(3) == q.size(2), "caches: [blocks, block_size, kv_heads, D]");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables and lengths");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), bs = k_cache.size(1), KVH = k_cache.size(2);
-  TORCH_CHECK(H % KVH == 0 && block_tables.size(0) == B && context_lens.size(0) == B && D <= 1024, "shapes disagree");
-  const int64_t G = H / KVH;
-  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
-  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
-  auto bt = block_tables.contiguous(); auto cl = context_lens.contiguous();
-  const int64_t *btp = bt.data_ptr<int64_t>(), *clp = cl.data_ptr<int64_t>(), W = bt.size(1);
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(clp[b] >= 1 && clp[b] <= W * bs, "context length outside its block table");
-  const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float sc = (float)scale;
-  const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B));
-  auto one = D == 64 ? decode_one<64> : D == 128 ? decode_one<128> : decode_one<0>;
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> s;
-    for (int64_t tid = t0; tid < t1; ++tid)
-      for (int64_t b = tid; b < B; b += T)          // round robin, as rows arrive sorted by length
-        one(op + b * H * D, qp + b * H * D, kp, vp, btp + b * W, clp[b], H, G, D, bs, kb, kt, kh, vb, vt, vh, sc, s);
-  });
-}
-
-TORCH_LIBRARY(llm_engine, m) {
-  m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale) -> ()");
-}
-TORCH_LIBRARY_IMPL(llm_engine, CPU, m) { m.impl("paged_decode", paged_decode); }
-"""
+DECODE_KERNEL_PATH = Path(llm_engine.__file__).parent / "csrc" / "paged_decode.cpp"   # shipped as package data
+DECODE_KERNEL_SRC = DECODE_KERNEL_PATH.read_text()
 
 def _cpu_flags() -> str:
     "The CPU's feature flags (Linux), part of the kernel's cache key since it is compiled with -march=native."
@@ -222,7 +146,7 @@ def _cpu_flags() -> str:
 def load_decode_kernel() -> str|None:
     "Compile (once per machine and source; the library is cached) and load the decode kernel; `None` if loaded, else why not."
     from torch.utils.cpp_extension import load_inline
-    key = hashlib.sha1(f"{DECODE_KERNEL_SRC}{torch.__version__}{_cpu_flags()}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{DECODE_KERNEL_SRC}{torch.__version__}{_cpu_flags()}".encode()).hexdigest()[:12]
     name = f"llm_engine_paged_decode_{key}"
     so = cache_root() / "kernels" / f"{name}.so"
     try:

@@ -10,8 +10,7 @@ import torch
 
 # %% auto 0
 __all__ = ['OFFLINE_COLS', 'HTTP_COLS', 'Request', 'make_workload', 'bench_hf_sequential', 'bench_hf_static', 'bench_engine',
-           'run_benchmark', 'format_table', 'main', 'ServerProcess', 'bench_http', 'llama_cpp_available',
-           'run_http_sweep', 'plot_sweep']
+           'run_benchmark', 'format_table', 'main', 'bench_http', 'llama_cpp_available', 'run_http_sweep', 'plot_sweep']
 
 # %% ../nbs/12_benchmarks.ipynb
 @dataclass
@@ -125,40 +124,13 @@ def main(argv=None):
 import asyncio, os, socket, subprocess, sys
 import httpx
 from .metrics import percentiles
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
+from .testing import ServerProcess   # the server-process helper lives with the test helpers
 
 def _peak_rss_mb(pid):
     try:
         for line in open(f"/proc/{pid}/status"):
             if line.startswith("VmHWM"): return round(int(line.split()[1]) / 1024)
     except OSError: return None
-
-class ServerProcess:
-    "A server started as a subprocess on a free loopback port (`{port}` in `cmd`), stopped on exit; the tests use it too."
-    def __init__(self, cmd, health="/health", timeout=600, capture_output=False):
-        self.port = _free_port(); self.base = f"http://127.0.0.1:{self.port}"
-        out = subprocess.PIPE if capture_output else subprocess.DEVNULL
-        self.proc = subprocess.Popen([c.replace("{port}", str(self.port)) for c in cmd], stdout=out, stderr=subprocess.STDOUT, text=True)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{cmd[:4]} exited with {self.proc.returncode}: {self.proc.stdout.read() if capture_output else ''}")
-            try:
-                if httpx.get(self.base + health, timeout=2).status_code == 200: return
-            except httpx.HTTPError: time.sleep(0.3)
-        self.close(); raise RuntimeError(f"{cmd[:4]} did not start in {timeout} s")
-    def close(self) -> int:
-        "SIGTERM (SIGKILL after 30 s); returns the exit code."
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try: self.proc.wait(30)
-            except subprocess.TimeoutExpired: self.proc.kill(); self.proc.wait()
-        return self.proc.returncode
-    def __enter__(self): return self
-    def __exit__(self, *a): self.close()
 
 async def _drive(base, prompts, max_tokens, concurrency, body_extra, stats=False):
     "Stream every prompt through `/v1/completions` with `concurrency` clients; per-request timings and KV peak."

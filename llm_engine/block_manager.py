@@ -4,13 +4,13 @@
 
 # %% ../nbs/04_block_manager.ipynb 3
 from __future__ import annotations
+import hashlib, itertools, os, struct
 from collections import OrderedDict
 from fastcore.basics import patch
-from dataclasses import dataclass
-import torch
+from dataclasses import dataclass, field
 
 # %% auto 0
-__all__ = ['Block', 'chain_hash', 'NoFreeBlocks', 'BlockManager', 'plot_block_map']
+__all__ = ['Block', 'chain_hash', 'BlockCopy', 'BlockOps', 'NoFreeBlocks', 'BlockManager', 'plot_block_map']
 
 # %% ../nbs/04_block_manager.ipynb
 @dataclass
@@ -18,28 +18,50 @@ class Block:
     "One block of `block_size` token slots."
     block_id: int
     ref_count: int = 0
-    hash: int|None = None      # set once the block is full and computed
+    hash: bytes|None = None        # set once the block is full and computed
+    token_ids: tuple|None = None   # the tokens it holds, once hashed: a cache hit is confirmed against them
+    parent: int = -1               # `content_id` of the block before it in its sequence (-1: the first block)
+    content_id: int = -1           # a fresh number each time the block is hashed, so children can name their parent
 
-def chain_hash(token_ids, prev_hash) -> int:
-    "Hash of a full block's tokens, chained with the previous block's hash so it names the whole prefix."
-    return hash((prev_hash, tuple(token_ids)))
+_HASH_SEED = os.urandom(16)   # per process: another server cannot predict our hashes
+
+def chain_hash(token_ids, prev_hash: bytes|None) -> bytes:
+    "sha256 of the previous block's hash and this block's token ids (int64, little-endian): names the whole prefix."
+    h = hashlib.sha256(prev_hash or _HASH_SEED)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()
+
+@dataclass(frozen=True)
+class BlockCopy:
+    "Copy one block's K/V from `src` to `dst` (device block ids; CPU ids on the CPU side of a swap)."
+    src: int
+    dst: int
+
+@dataclass
+class BlockOps:
+    "K/V moves decided since they were last taken; the runner performs swap_out, then swap_in, then copy."
+    swap_out: list = field(default_factory=list)   # BlockCopy(device -> CPU)
+    swap_in: list = field(default_factory=list)    # BlockCopy(CPU -> device)
+    copy: list = field(default_factory=list)       # BlockCopy(device -> device): copy-on-write
+    def __bool__(self): return bool(self.swap_out or self.swap_in or self.copy)
 
 class NoFreeBlocks(RuntimeError): "The KV cache has no free block left; the scheduler must preempt."
 
 # %% ../nbs/04_block_manager.ipynb
 class BlockManager:
-    "Owns the KV cache's blocks: free lists, reference counts, block tables, prefix cache and CPU swap."
-    def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True, kv_cache=None, cpu_cache=None):
+    "Owns the KV cache's blocks: free lists, reference counts, block tables, prefix cache and CPU swap. No tensors."
+    def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True):
         self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
-        self.enable_prefix_caching, self.kv_cache, self.cpu_cache = enable_prefix_caching, kv_cache, cpu_cache
+        self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids = OrderedDict.fromkeys(range(num_blocks))   # LRU order: reused from the front
-        self.cached: dict[int, int] = {}                       # hash -> block id
+        self.cached: dict[bytes, int] = {}                     # hash -> block id
         self.tables: dict = {}                                 # seq id -> [block id]
         self.num_hashed: dict = {}                             # seq id -> leading blocks already hashed
         self.cpu_free = list(range(num_cpu_blocks))
         self.cpu_tables: dict = {}
         self.hit_tokens = self.queried_tokens = 0
+        self.ops, self._content_ids = BlockOps(), itertools.count()
 
     @property
     def num_free_blocks(self): return len(self.free_ids)
@@ -49,6 +71,10 @@ class BlockManager:
     def prefix_hit_rate(self): return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
     def blocks_for(self, num_tokens): return -(-num_tokens // self.block_size)
     def block_table(self, seq_id): return self.tables[seq_id]
+    def take_ops(self) -> BlockOps:
+        "The copies and swaps decided since the last call (the scheduler puts them in its output)."
+        ops, self.ops = self.ops, BlockOps()
+        return ops
 
     def _take(self) -> int:
         "A free block, the least recently freed first; its old cache entry is forgotten."
@@ -56,7 +82,7 @@ class BlockManager:
         bid, _ = self.free_ids.popitem(last=False)
         b = self.blocks[bid]
         if b.hash is not None and self.cached.get(b.hash) == bid: del self.cached[b.hash]
-        b.hash, b.ref_count = None, 1
+        b.hash, b.token_ids, b.parent, b.content_id, b.ref_count = None, None, -1, -1, 1
         return bid
 
     def _release(self, bid):
@@ -68,9 +94,6 @@ class BlockManager:
             # a block nobody can find again is worth nothing: reuse it before any cached one
             if b.hash is None or self.cached.get(b.hash) != bid: self.free_ids.move_to_end(bid, last=False)
 
-    def _copy(self, src, dst, src_cache, dst_cache):
-        if src_cache is not None: dst_cache[:, :, dst] = src_cache[:, :, src]
-
 # %% ../nbs/04_block_manager.ipynb
 @patch
 def can_allocate(self: BlockManager, num_tokens) -> bool:
@@ -78,21 +101,30 @@ def can_allocate(self: BlockManager, num_tokens) -> bool:
     return self.blocks_for(num_tokens) <= self.num_free_blocks
 
 @patch
+def _cached_block(self: BlockManager, h, tokens: tuple, parent: int) -> int|None:
+    "The cached block for hash `h`, only if it really holds `tokens` computed after block content `parent`."
+    bid = self.cached.get(h)
+    if bid is None: return None
+    b = self.blocks[bid]
+    return bid if b.token_ids == tokens and b.parent == parent else None   # a collision is a miss
+
+@patch
 def allocate(self: BlockManager, seq_id, token_ids) -> int:
     "Give `seq_id` blocks for `token_ids`; returns how many leading tokens are already computed (prefix-cache hits)."
     assert seq_id not in self.tables, f"sequence {seq_id} already has blocks"
     if not self.can_allocate(len(token_ids)):
         raise NoFreeBlocks(f"{len(token_ids)} tokens need {self.blocks_for(len(token_ids))} blocks, {self.num_free_blocks} free")
-    bs, table, h, hits = self.block_size, [], None, 0
+    bs, table, h, parent, hits = self.block_size, [], None, -1, 0
     if self.enable_prefix_caching:
         for i in range((len(token_ids) - 1) // bs):
-            h = chain_hash(token_ids[i*bs:(i+1)*bs], h)
-            bid = self.cached.get(h)
+            toks = tuple(token_ids[i*bs:(i+1)*bs])
+            h = chain_hash(toks, h)
+            bid = self._cached_block(h, toks, parent)
             if bid is None: break
             b = self.blocks[bid]
             if b.ref_count == 0: del self.free_ids[bid]
             b.ref_count += 1
-            table.append(bid); hits += 1
+            table.append(bid); hits += 1; parent = b.content_id
     table += [self._take() for _ in range(self.blocks_for(len(token_ids)) - hits)]
     self.tables[seq_id], self.num_hashed[seq_id] = table, hits
     self.queried_tokens += len(token_ids); self.hit_tokens += hits * bs
@@ -111,10 +143,14 @@ def _shared_from(self: BlockManager, seq_id, num_computed):
     return [i for i in range(num_computed // self.block_size, len(t)) if self.blocks[t[i]].ref_count > 1]
 
 @patch
+def append_need(self: BlockManager, seq_id, num_computed, num_tokens) -> int:
+    "Free blocks `seq_id` needs to grow to `num_tokens` slots: new blocks plus copy-on-write copies."
+    return max(0, self.blocks_for(num_tokens) - len(self.tables[seq_id])) + len(self._shared_from(seq_id, num_computed))
+
+@patch
 def can_append(self: BlockManager, seq_id, num_computed, num_tokens) -> bool:
     "Whether `seq_id` can grow to `num_tokens` slots, counting copy-on-write copies."
-    need = max(0, self.blocks_for(num_tokens) - len(self.tables[seq_id])) + len(self._shared_from(seq_id, num_computed))
-    return need <= self.num_free_blocks
+    return self.append_need(seq_id, num_computed, num_tokens) <= self.num_free_blocks
 
 @patch
 def append_slots(self: BlockManager, seq_id, num_computed, num_tokens):
@@ -124,7 +160,7 @@ def append_slots(self: BlockManager, seq_id, num_computed, num_tokens):
     t = self.tables[seq_id]
     for i in self._shared_from(seq_id, num_computed):
         new = self._take()
-        self._copy(t[i], new, self.kv_cache, self.kv_cache)
+        self.ops.copy.append(BlockCopy(t[i], new))   # the runner copies the K/V before the forward
         self._release(t[i]); t[i] = new
         self.num_hashed[seq_id] = min(self.num_hashed[seq_id], i)
     t += [self._take() for _ in range(self.blocks_for(num_tokens) - len(t))]
@@ -134,11 +170,13 @@ def cache_full_blocks(self: BlockManager, seq_id, token_ids, num_computed):
     "Register the sequence's full, computed blocks in the prefix cache (called after each step)."
     if not self.enable_prefix_caching: return
     t, bs, start = self.tables[seq_id], self.block_size, self.num_hashed[seq_id]
-    h = self.blocks[t[start - 1]].hash if start else None
+    prev = self.blocks[t[start - 1]] if start else None
+    h, parent = (prev.hash, prev.content_id) if prev else (None, -1)
     for i in range(start, num_computed // bs):
-        b = self.blocks[t[i]]
-        h = chain_hash(token_ids[i*bs:(i+1)*bs], h)
-        b.hash = h
+        b, toks = self.blocks[t[i]], tuple(token_ids[i*bs:(i+1)*bs])
+        h = chain_hash(toks, h)
+        b.hash, b.token_ids, b.parent, b.content_id = h, toks, parent, next(self._content_ids)
+        parent = b.content_id
         self.cached.setdefault(h, b.block_id)   # an equal block computed elsewhere keeps its entry
     self.num_hashed[seq_id] = max(start, num_computed // bs)
 
@@ -157,21 +195,21 @@ def can_swap_in(self: BlockManager, seq_id) -> bool: return len(self.cpu_tables[
 
 @patch
 def swap_out(self: BlockManager, seq_id):
-    "Move a sequence's blocks to CPU swap space and free its device blocks."
+    "Move a sequence's blocks to CPU swap space (recorded for the runner) and free its device blocks."
     assert self.can_swap_out(seq_id), "not enough CPU swap space"
     t = self.tables[seq_id]
     cpu = [self.cpu_free.pop() for _ in t]
-    if self.kv_cache is not None: self.cpu_cache[:, :, cpu] = self.kv_cache[:, :, t].to(self.cpu_cache.device)
+    self.ops.swap_out += [BlockCopy(d, c) for d, c in zip(t, cpu)]
     self.free(seq_id)
     self.cpu_tables[seq_id] = cpu
 
 @patch
 def swap_in(self: BlockManager, seq_id):
-    "Bring a swapped sequence back into fresh device blocks."
+    "Bring a swapped sequence back into fresh device blocks (recorded for the runner)."
     if not self.can_swap_in(seq_id): raise NoFreeBlocks(f"no room to swap in sequence {seq_id}")
     cpu = self.cpu_tables.pop(seq_id)
     t = [self._take() for _ in cpu]
-    if self.kv_cache is not None: self.kv_cache[:, :, t] = self.cpu_cache[:, :, cpu].to(self.kv_cache.device)
+    self.ops.swap_in += [BlockCopy(c, d) for c, d in zip(cpu, t)]
     self.cpu_free += cpu
     self.tables[seq_id], self.num_hashed[seq_id] = t, 0
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, asdict
 from pathlib import Path
 
 # %% auto 0
-__all__ = ['LLAMA_TYPES', 'ModelConfig', 'parse_size', 'CacheConfig', 'SchedulerConfig', 'EngineConfig', 'cache_root']
+__all__ = ['LLAMA_TYPES', 'ModelConfig', 'parse_size', 'CacheConfig', 'SchedulerConfig', 'EngineConfig', 'cache_root',
+           'resolve_device']
 
 # %% ../nbs/00_config.ipynb
 LLAMA_TYPES = ("llama",)
@@ -132,6 +133,9 @@ class EngineConfig:
     seed: int = 0
     num_threads: int|None = None
     attention_backend: str = "auto"    # decode attention: "cpp" (in-place C++ kernel), "torch" (gather + SDPA), or "auto"
+    device: str = "auto"               # "auto" (cuda, then mps, else cpu), "cpu", "cuda", "cuda:1", "mps"
+    trace_capacity: int = 1024         # engine steps the trace ring buffer keeps (0: no tracing)
+    trace_blocks: bool = False         # also copy the KV block map into every step record (notebooks, not servers)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -153,3 +157,16 @@ def cache_root() -> Path:
     "Where converted models and compiled kernels are kept."
     if os.environ.get("LLM_ENGINE_CACHE"): return Path(os.environ["LLM_ENGINE_CACHE"]).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "llm_engine"
+
+def resolve_device(device: str = "auto") -> str:
+    "The torch device to run on: `auto` picks cuda if available, then mps, else cpu; a named one must exist."
+    import torch
+    if device == "auto":
+        if torch.cuda.is_available(): return "cuda"
+        mps = getattr(torch.backends, "mps", None)
+        return "mps" if mps is not None and mps.is_available() else "cpu"
+    kind = str(device).split(":")[0]
+    if kind not in ("cpu", "cuda", "mps"): raise ValueError(f"device must be auto, cpu, cuda[:N] or mps, not {device!r}")
+    if kind == "cuda" and not torch.cuda.is_available(): raise ValueError(f"device {device!r} asked for, but CUDA is not available")
+    if kind == "mps" and not torch.backends.mps.is_available(): raise ValueError("device 'mps' asked for, but MPS is not available")
+    return str(device)

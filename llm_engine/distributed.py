@@ -17,11 +17,13 @@ from fastcore.basics import patch
 from .config import ModelConfig
 from .attention import AttentionMetadata, resolve_attention_backend
 from .model import Llama, load_model, prepack_linears
+from .runner import RunnerOutput
+from .scheduler import SchedulerOutput
 
 # %% auto 0
 __all__ = ['split_range', 'HeadShard', 'head_shard', 'RowParallelLinear', 'VocabParallelEmbedding', 'ParallelLMHead',
-           'shard_model', 'plot_layer_sharding', 'StepInputs', 'TPSpec', 'TPWorker', 'TPWorkerError', 'free_port',
-           'TensorParallelExecutor', 'KVOpRecorder', 'kv_recorders', 'attach_tensor_parallel']
+           'shard_model', 'plot_layer_sharding', 'TPStepInputs', 'TPSpec', 'TPWorker', 'TPWorkerError', 'free_port',
+           'TensorParallelExecutor', 'attach_tensor_parallel']
 
 # %% ../nbs/11b_tensor_parallel.ipynb
 def split_range(n, rank, world_size) -> range:
@@ -168,7 +170,7 @@ def plot_layer_sharding(mc: ModelConfig, world_size=2, ax=None):
 
 # %% ../nbs/11b_tensor_parallel.ipynb
 @dataclass
-class StepInputs:
+class TPStepInputs:
     "One step's work, built on rank 0 and broadcast (pickled) to every rank: plain lists, no tensors."
     token_ids: list           # the flat batch: prefills first, then decodes
     positions: list
@@ -179,7 +181,20 @@ class StepInputs:
     kv_ops: list = field(default_factory=list)    # ("copy" | "swap_out" | "swap_in", src block, dst block), done in order first
 
     @classmethod
-    def from_work(cls, work, kv_ops=()) -> StepInputs:
+    def from_scheduler_output(cls, out: SchedulerOutput) -> TPStepInputs:
+        "The scheduler's step: its rows (prefills first, as the runner orders them), sampled rows, and K/V moves in the runner's order."
+        one = lambda r: len(r.token_ids) == 1
+        rows = out.scheduled
+        order = sorted(range(len(rows)), key=lambda i: (one(rows[i]), rows[i].num_computed if one(rows[i]) else 0))
+        step = cls.from_work([(list(rows[i].token_ids), rows[i].num_computed, rows[i].block_table) for i in order])
+        where = {i: step.logits_rows[k] for k, i in enumerate(order)}
+        step.logits_rows = [where[i] for i, r in enumerate(rows) if r.do_sample]
+        step.kv_ops = ([("swap_out", c.src, c.dst) for c in out.blocks_to_swap_out] + [("swap_in", c.src, c.dst) for c in out.blocks_to_swap_in]
+                       + [("copy", c.src, c.dst) for c in out.blocks_to_copy])
+        return step
+
+    @classmethod
+    def from_work(cls, work, kv_ops=()) -> TPStepInputs:
         "From `(token_ids, num_computed, block_table)` per sequence (today's `ModelRunner.run` input)."
         order = sorted(range(len(work)), key=lambda i: (len(work[i][0]) == 1, work[i][1] if len(work[i][0]) == 1 else 0))
         ids, pos, ql, cl, bt = [], [], [], [], []
@@ -224,7 +239,7 @@ class TPWorker:
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(lc.num_layers)]
 
     @torch.inference_mode()
-    def execute(self, s: StepInputs) -> torch.Tensor:
+    def execute(self, s: TPStepInputs) -> torch.Tensor:
         "KV copies and swaps, then the forward over the flat batch; logits `[len(logits_rows), vocab]` (same on every rank)."
         self.steps += 1
         if self.spec.inject_fault == (self.rank, self.steps): raise RuntimeError(f"injected fault on rank {self.rank} at step {self.steps}")
@@ -265,7 +280,7 @@ def _worker_main(rank: int, spec: dict, messages):
             box = [None]
             dist.broadcast_object_list(box, src=0)
             if box[0] is None: break
-            worker.execute(StepInputs(**box[0]))
+            worker.execute(TPStepInputs(**box[0]))
     except BaseException as e:
         msg = f"{type(e).__name__}: {e}"
         print(f"llm_engine tensor-parallel rank {rank} failed, exiting: {msg}", file=sys.stderr, flush=True)
@@ -289,7 +304,7 @@ class TensorParallelExecutor:
         if dist.is_initialized(): raise RuntimeError("a torch.distributed process group already exists in this process")
         self.spec = spec = dataclasses.replace(spec, port=spec.port or free_port())
         ctx = mp.get_context("spawn")
-        self.messages, self.procs, self.closed, self.kv_ops, self.num_kv_ops = ctx.SimpleQueue(), [], False, [], 0
+        self.messages, self.procs, self.closed, self.num_kv_ops = ctx.SimpleQueue(), [], False, 0
         # the target is taken from the installed module, and the spec and steps travel as dicts: a notebook's own
         # definitions live in __main__, which a spawned interpreter cannot import
         target = importlib.import_module("llm_engine.distributed")._worker_main
@@ -306,19 +321,30 @@ class TensorParallelExecutor:
     @property
     def cpu_cache(self): return self.worker.cpu_cache
 
-    def execute(self, step: StepInputs) -> torch.Tensor:
+    def execute_step(self, step: TPStepInputs) -> torch.Tensor:
         "Broadcast `step` to every rank and run it; raises `TPWorkerError` (and closes) if any rank fails."
         if self.closed: raise TPWorkerError("the tensor-parallel executor is closed")
+        self.num_kv_ops += len(step.kv_ops)
         try:
             dist.broadcast_object_list([dataclasses.asdict(step)], src=0)
             return self.worker.execute(step)
         except BaseException as e: self._fail(e)
 
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        "The runner's contract (`ModelRunner.execute`): K/V moves and the forward of one `SchedulerOutput`, on every rank."
+        step = TPStepInputs.from_scheduler_output(out)
+        logits = self.execute_step(step)
+        sampled = [i for i, r in enumerate(out.scheduled) if r.do_sample]
+        return RunnerOutput(logits.cpu() if sampled else None, sampled)
+
+    def apply_block_ops(self, out: SchedulerOutput):
+        "A step that only moves K/V (it preempted and computes nothing): the moves still happen on every rank."
+        self.execute(SchedulerOutput(blocks_to_swap_out=out.blocks_to_swap_out, blocks_to_swap_in=out.blocks_to_swap_in,
+                                     blocks_to_copy=out.blocks_to_copy))
+
     def run(self, work) -> torch.Tensor:
-        "Today's `ModelRunner.run` interface: `(token_ids, num_computed, block_table)` per sequence → last-token logits."
-        ops, self.kv_ops[:] = list(self.kv_ops), []
-        self.num_kv_ops += len(ops)
-        return self.execute(StepInputs.from_work(work, ops))
+        "`ModelRunner.run`'s interface: `(token_ids, num_computed, block_table)` per sequence → last-token logits."
+        return self.execute_step(TPStepInputs.from_work(work))
 
 # %% ../nbs/11b_tensor_parallel.ipynb
 @patch
@@ -365,36 +391,11 @@ def close(self: TensorParallelExecutor, graceful=True, timeout=10.0):
     if dist.is_initialized(): dist.destroy_process_group()
 
 # %% ../nbs/11b_tensor_parallel.ipynb
-@dataclass
-class _KVRef:
-    "`cache[:, :, blocks]` as the block manager reads it; `.to(device)` is a no-op."
-    kind: str
-    blocks: object
-    def to(self, *a, **k): return self
-
-class KVOpRecorder:
-    "Stands in for the KV tensors inside today's `BlockManager`: records the copies and swaps it performs, in order."
-    def __init__(self, ops: list, kind: str, device="cpu"): self.ops, self.kind, self.device = ops, kind, torch.device(device)
-    def __getitem__(self, idx): return _KVRef(self.kind, idx[2])
-    def __setitem__(self, idx, src: _KVRef):
-        skind, s, d = src.kind, src.blocks, idx[2]
-        op = {("gpu", "gpu"): "copy", ("gpu", "cpu"): "swap_out", ("cpu", "gpu"): "swap_in"}[(skind, self.kind)]
-        pairs = zip(s, d) if isinstance(d, (list, tuple)) else [(s, d)]
-        self.ops.extend((op, int(a), int(b)) for a, b in pairs)
-
-def kv_recorders() -> tuple[list, KVOpRecorder, KVOpRecorder]:
-    "An op list and the `(kv_cache, cpu_cache)` stand-ins to hand to a `BlockManager`."
-    ops = []
-    return ops, KVOpRecorder(ops, "gpu"), KVOpRecorder(ops, "cpu")
-
-# %% ../nbs/11b_tensor_parallel.ipynb
 def attach_tensor_parallel(engine, tensor_parallel_size: int, **spec_kw) -> TensorParallelExecutor:
-    "Run `engine`'s forward passes on `tensor_parallel_size` ranks: its runner becomes rank 0, its block manager records KV ops for them."
+    "Run `engine`'s forward passes on `tensor_parallel_size` ranks: the executor (rank 0) replaces its `ModelRunner`."
     bm, cfg = engine.block_manager, engine.config
     spec = TPSpec(str(engine.model_path), tensor_parallel_size, bm.num_blocks, bm.block_size, bm.num_cpu_blocks, cfg.dtype,
                   cfg.attention_backend, **{"num_threads": max(1, (os.cpu_count() or 1) // tensor_parallel_size), **spec_kw})
     ex = TensorParallelExecutor(spec)
-    ops, bm.kv_cache, bm.cpu_cache = kv_recorders()
-    ex.kv_ops = ops
     engine.runner = ex
     return ex

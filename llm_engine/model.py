@@ -5,7 +5,6 @@
 # %% ../nbs/05_model.ipynb 3
 from __future__ import annotations
 import ctypes, ctypes.util, hashlib, importlib.util, json, os, shutil
-from itertools import accumulate
 from pathlib import Path
 import torch
 import torch.nn.functional as F
@@ -13,12 +12,11 @@ from torch import nn
 from .config import ModelConfig, cache_root
 from .rope import RotaryEmbedding, apply_rope
 from .layers import RMSNorm, SwiGLU
-from .attention import AttentionMetadata, store_kv, paged_attention, resolve_attention_backend
+from .attention import AttentionMetadata, store_kv, paged_attention
 
 # %% auto 0
 __all__ = ['DEFAULT_GGUF', 'LlamaAttention', 'LlamaDecoderLayer', 'Llama', 'load_weights', 'default_gguf_path', 'convert_gguf',
-           'resolve_model', 'load_model', 'load_tokenizer', 'PackedLinear', 'prepack_linears', 'keep_freed_memory',
-           'ModelRunner']
+           'resolve_model', 'load_model', 'load_tokenizer', 'PackedLinear', 'prepack_linears', 'keep_freed_memory']
 
 # %% ../nbs/05_model.ipynb
 class LlamaAttention(nn.Module):
@@ -164,13 +162,13 @@ def resolve_model(model=None) -> Path:
     out = cache_root() / f"{gguf.stem}-{hashlib.sha1(f'{gguf.resolve()}:{gguf.stat().st_size}'.encode()).hexdigest()[:10]}"
     return out if (out / "config.json").exists() else convert_gguf(gguf, out)
 
-def load_model(model=None, dtype=torch.float32) -> tuple[Llama, Path]:
-    "Our `Llama` with weights loaded, and the folder it came from."
+def load_model(model=None, dtype=torch.float32, device="cpu") -> tuple[Llama, Path]:
+    "Our `Llama` with weights loaded on `device`, and the folder it came from."
     path = resolve_model(model)
     mc = ModelConfig.from_pretrained(path)
     with torch.device("meta"): m = Llama(mc)
-    m = m.to_empty(device="cpu")
-    m.rope = RotaryEmbedding(mc.head_dim, mc.max_position_embeddings, mc.rope_theta, mc.rope_scaling)
+    m = m.to_empty(device=device)     # weights are copied straight from the file into device memory
+    m.rope = RotaryEmbedding(mc.head_dim, mc.max_position_embeddings, mc.rope_theta, mc.rope_scaling).to(device)
     if mc.tie_word_embeddings: m.lm_head.weight = m.embed_tokens.weight
     return load_weights(m, path).to(dtype).eval(), path
 
@@ -215,32 +213,9 @@ def keep_freed_memory() -> bool:
     return hasattr(libc, "mallopt") and bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 # %% ../nbs/05_model.ipynb
-class ModelRunner:
-    "Runs the model over a flat batch built from per-sequence work, on the paged KV cache it owns."
-    def __init__(self, model: Llama, num_blocks, block_size, num_cpu_blocks=0, prepack=True, attention_backend="auto"):
-        mc, dt = model.config, model.embed_tokens.weight.dtype
-        self.model, self.block_size = prepack_linears(model) if prepack else model, block_size
-        self.attention_backend = resolve_attention_backend(attention_backend, dt, model.embed_tokens.weight.device)
-        keep_freed_memory()
-        self.kv_cache = torch.zeros(mc.num_layers, 2, num_blocks, block_size, mc.num_kv_heads, mc.head_dim, dtype=dt)
-        self.cpu_cache = torch.zeros(mc.num_layers, 2, num_cpu_blocks, block_size, mc.num_kv_heads, mc.head_dim, dtype=dt,
-                                     pin_memory=torch.cuda.is_available())
-        self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
-
-    @torch.inference_mode()
-    def run(self, work) -> torch.Tensor:
-        "`work`: `(token_ids, num_computed, block_table)` per sequence; returns logits `[len(work), vocab]` of each last token."
-        # prefills first; decodes by context length, so each padded group of the torch decode path wastes little
-        order = sorted(range(len(work)), key=lambda i: (len(work[i][0]) == 1, work[i][1] if len(work[i][0]) == 1 else 0))
-        ids, pos, qlens, clens, tables = [], [], [], [], []
-        for i in order:
-            toks, n0, bt = work[i]
-            ids += toks; pos += range(n0, n0 + len(toks))
-            qlens.append(len(toks)); clens.append(n0 + len(toks)); tables.append(bt)
-        md = AttentionMetadata.build(qlens, clens, tables, self.block_size, decode_backend=self.attention_backend)
-        hidden = self.model(torch.tensor(ids), torch.tensor(pos), md, self.layer_caches)
-        last = list(accumulate(qlens))                      # end of each row, in batch order
-        where = [0] * len(order)
-        for rank, i in enumerate(order): where[i] = last[rank] - 1
-        # pick the last hidden state of each row in the caller's order, so the logits need no reordering
-        return self.model.compute_logits(hidden[torch.tensor(where)])
+def __getattr__(name):
+    "`ModelRunner` moved to `llm_engine.runner`; the old import path keeps working (imported lazily: no cycle)."
+    if name == "ModelRunner":
+        from llm_engine.runner import ModelRunner
+        return ModelRunner
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

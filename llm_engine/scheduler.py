@@ -7,11 +7,12 @@ from __future__ import annotations
 import heapq, itertools, time
 from dataclasses import dataclass, field
 from enum import Enum
+from fastcore.basics import patch
 from .config import SchedulerConfig
 from .block_manager import BlockManager
 
 # %% auto 0
-__all__ = ['SeqStatus', 'Sequence', 'SchedulerOutput', 'Scheduler', 'plot_timeline']
+__all__ = ['SeqStatus', 'Sequence', 'ScheduledSeq', 'Decision', 'SchedulerOutput', 'Scheduler', 'plot_timeline']
 
 # %% ../nbs/07_scheduler.ipynb
 class SeqStatus(Enum): WAITING = "waiting"; RUNNING = "running"; SWAPPED = "swapped"; FINISHED = "finished"
@@ -45,13 +46,45 @@ class Sequence:
 
 # %% ../nbs/07_scheduler.ipynb
 @dataclass
-class SchedulerOutput:
-    work: list = field(default_factory=list)        # (Sequence, num_tokens) in batch order
-    preempted: list = field(default_factory=list)
-    @property
-    def num_tokens(self): return sum(n for _, n in self.work)
-    def __bool__(self): return bool(self.work)
+class ScheduledSeq:
+    "One row of a step's batch: what the runner computes for one sequence."
+    seq_id: int
+    request_id: str
+    token_ids: list         # the tokens to compute this step
+    num_computed: int       # tokens of this sequence already in the KV cache
+    block_table: list       # physical block of each logical block
+    do_sample: bool         # the row reaches the sequence's last token: its logits are sampled
+    seq: Sequence|None = field(default=None, repr=False, compare=False)   # for the engine; the runner never reads it
 
+@dataclass
+class Decision:
+    "What the scheduler did with one sequence this step, and why, in words."
+    seq_id: int
+    request_id: str
+    action: str    # scheduled | chunked | admitted | swapped_in | waited | swapped_out | recomputed
+    reason: str
+    @property
+    def preempted(self): return self.action in ("swapped_out", "recomputed")
+
+@dataclass
+class SchedulerOutput:
+    "One step: the rows to compute, the K/V moves to make before the forward (in this order), and why."
+    step: int = 0
+    scheduled: list = field(default_factory=list)            # ScheduledSeq, in batch order
+    blocks_to_swap_out: list = field(default_factory=list)   # BlockCopy(device -> CPU)
+    blocks_to_swap_in: list = field(default_factory=list)    # BlockCopy(CPU -> device)
+    blocks_to_copy: list = field(default_factory=list)       # BlockCopy(device -> device), copy-on-write
+    preempted: list = field(default_factory=list)            # Sequences preempted this step
+    decisions: list = field(default_factory=list)            # one Decision per sequence considered
+    @property
+    def num_tokens(self): return sum(len(r.token_ids) for r in self.scheduled)
+    @property
+    def work(self): return [(r.seq, len(r.token_ids)) for r in self.scheduled]
+    @property
+    def has_block_ops(self): return bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
+    def __bool__(self): return bool(self.scheduled)
+
+# %% ../nbs/07_scheduler.ipynb
 class Scheduler:
     "Re-forms the batch at every step from running, swapped and waiting sequences."
     def __init__(self, cfg: SchedulerConfig, bm: BlockManager, record=False):
@@ -59,7 +92,7 @@ class Scheduler:
         self.waiting: list = []     # heap of (sort_key, seq)
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
-        self.num_preemptions = self.num_swaps = 0
+        self.num_preemptions = self.num_swaps = self.num_steps = 0
         self.history = [] if record else None   # per step: [(seq_id, kind, num_tokens)] for the timeline picture
 
     def add(self, seq: Sequence):
@@ -68,69 +101,151 @@ class Scheduler:
     @property
     def num_unfinished(self): return len(self.waiting) + len(self.running) + len(self.swapped)
     def has_unfinished(self): return self.num_unfinished > 0
-
-    def _preempt(self, seq: Sequence):
-        self.num_preemptions += 1
-        if self.bm.num_cpu_blocks and self.bm.can_swap_out(seq.seq_id):
-            self.bm.swap_out(seq.seq_id); seq.status = SeqStatus.SWAPPED; self.swapped.append(seq); self.num_swaps += 1
-        else:
-            self.bm.free(seq.seq_id); seq.num_computed = 0; self.add(seq)
+    def _decide(self, out, seq, action, reason): out.decisions.append(Decision(seq.seq_id, seq.request_id, action, reason))
+    def _budget_note(self, budget):
+        return f"token budget exhausted (used {self.cfg.max_num_batched_tokens - budget} of {self.cfg.max_num_batched_tokens})"
 
 # %% ../nbs/07_scheduler.ipynb
-def _schedule(self: Scheduler) -> SchedulerOutput:
-    out, budget, bm = SchedulerOutput(), self.cfg.max_num_batched_tokens, self.bm
-    # 1. running: decodes first, then unfinished prefills, each in priority order
+@patch
+def _preempt(self: Scheduler, out: SchedulerOutput, seq: Sequence, why: str):
+    self.num_preemptions += 1; out.preempted.append(seq)
+    if self.bm.num_cpu_blocks and self.bm.can_swap_out(seq.seq_id):
+        n = len(self.bm.block_table(seq.seq_id))
+        self.bm.swap_out(seq.seq_id); seq.status = SeqStatus.SWAPPED; self.swapped.append(seq); self.num_swaps += 1
+        self._decide(out, seq, "swapped_out", f"preempted: {why}; its {n} blocks swapped out to CPU")
+    else:
+        self._decide(out, seq, "recomputed", f"preempted: {why}; its {seq.num_computed} computed tokens will be recomputed")
+        self.bm.free(seq.seq_id); seq.num_computed = 0; self.add(seq)
+
+@patch
+def _add_row(self: Scheduler, out: SchedulerOutput, seq: Sequence, n: int, action=None, note=""):
+    "Schedule `n` tokens of `seq` (its slots are already allocated)."
+    c, total = seq.num_computed, seq.num_tokens
+    out.scheduled.append(ScheduledSeq(seq.seq_id, seq.request_id, seq.token_ids[c:c + n], c,
+                                      list(self.bm.block_table(seq.seq_id)), c + n == total, seq))
+    chunk = f"prefill chunked: {c + n} of {total} tokens" if c + n < total else ""
+    if action is None:
+        action = "chunked" if chunk else "scheduled"
+        note = chunk or ("decode" if n == 1 and c >= seq.num_prompt_tokens else f"prefill: {n} tokens ({c + n} of {total})")
+    else: note = "; ".join(x for x in (note, chunk) if x)
+    self._decide(out, seq, action, note)
+
+# %% ../nbs/07_scheduler.ipynb
+@patch
+def _make_room(self: Scheduler, out: SchedulerOutput, seq: Sequence, n: int, queue: list) -> bool:
+    "Preempt until `seq` can write `n` more tokens; False if `seq` itself had to go."
+    bm = self.bm
+    while not bm.can_append(seq.seq_id, seq.num_computed, seq.num_computed + n):
+        need, free = bm.append_need(seq.seq_id, seq.num_computed, seq.num_computed + n), bm.num_free_blocks
+        victim = max(queue, key=lambda s: s.sort_key) if queue else seq
+        if victim.sort_key < seq.sort_key: victim = seq      # never evict a more important one
+        if victim is seq:
+            self._preempt(out, seq, f"not enough free KV blocks (needs {need}, {free} free) and no running sequence "
+                                    "of lower priority or later arrival to evict")
+            return False
+        queue.remove(victim)
+        self._preempt(out, victim, f"lowest priority / latest arrival among running; seq {seq.seq_id} needed "
+                                   f"{need} KV blocks, {free} free")
+    return True
+
+@patch
+def _schedule_running(self: Scheduler, out: SchedulerOutput, budget: int) -> int:
+    "Decodes first, then unfinished prefills, each in priority order; returns the budget left."
     queue = sorted(self.running, key=lambda s: (s.remaining > 1, s.sort_key))
     kept = []
     while queue:
         seq = queue.pop(0)
         n = min(seq.remaining, budget)
-        if n == 0: kept.append(seq); continue
-        while not bm.can_append(seq.seq_id, seq.num_computed, seq.num_computed + n):
-            victim = max(queue, key=lambda s: s.sort_key) if queue else seq
-            if victim is not seq and victim.sort_key < seq.sort_key: victim = seq   # never evict a more important one
-            if victim is not seq: queue.remove(victim)
-            self._preempt(victim); out.preempted.append(victim)
-            if victim is seq: break
-        else:
-            bm.append_slots(seq.seq_id, seq.num_computed, seq.num_computed + n)
-            out.work.append((seq, n)); budget -= n; kept.append(seq)
+        if n == 0:
+            kept.append(seq); self._decide(out, seq, "waited", self._budget_note(budget)); continue
+        if self._make_room(out, seq, n, queue):
+            self.bm.append_slots(seq.seq_id, seq.num_computed, seq.num_computed + n)
+            self._add_row(out, seq, n); budget -= n; kept.append(seq)
     self.running = kept
-    if not out.preempted:
-        # 2. swapped sequences come back first: they were running before anything still waiting
-        self.swapped.sort(key=lambda s: s.sort_key)
-        while self.swapped and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            seq = self.swapped[0]
-            if len(bm.cpu_tables[seq.seq_id]) + 1 > bm.num_free_blocks: break
-            self.swapped.pop(0); bm.swap_in(seq.seq_id)
-            n = min(seq.remaining, budget)
-            bm.append_slots(seq.seq_id, seq.num_computed, seq.num_computed + n)
-            seq.status = SeqStatus.RUNNING; self.running.append(seq); out.work.append((seq, n)); budget -= n
-        # 3. admit waiting requests while budget, sequence slots and blocks allow
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not self.swapped:
-            seq = self.waiting[0][1]
-            if not bm.can_allocate(seq.num_tokens): break
-            heapq.heappop(self.waiting)
-            seq.num_computed = bm.allocate(seq.seq_id, seq.token_ids)
-            seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed)
-            n = min(seq.remaining, budget)
-            seq.status = SeqStatus.RUNNING; self.running.append(seq); out.work.append((seq, n)); budget -= n
-            if seq.first_scheduled_time is None: seq.first_scheduled_time = time.perf_counter()
-    if self.history is not None:
-        self.history.append([(s.seq_id, "decode" if n == 1 and s.num_computed >= s.num_prompt_tokens else "prefill", n) for s, n in out.work]
-                            + [(s.seq_id, "preempted", 0) for s in out.preempted])
-    return out
-Scheduler.schedule = _schedule
+    return budget
 
 # %% ../nbs/07_scheduler.ipynb
-def _update(self: Scheduler, out: SchedulerOutput):
+@patch
+def _blocked(self: Scheduler, budget: int, need: int) -> str|None:
+    "Why a sequence needing `need` free blocks cannot start now, or None."
+    if budget <= 0: return self._budget_note(budget)
+    if len(self.running) >= self.cfg.max_num_seqs: return f"max_num_seqs reached ({self.cfg.max_num_seqs})"
+    if need > self.bm.num_free_blocks: return f"not enough free KV blocks (needs {need}, {self.bm.num_free_blocks} free)"
+    return None
+
+@patch
+def _schedule_swapped(self: Scheduler, out: SchedulerOutput, budget: int) -> tuple[int, str|None]:
+    self.swapped.sort(key=lambda s: s.sort_key)
+    while self.swapped:
+        seq = self.swapped[0]
+        k = len(self.bm.cpu_tables[seq.seq_id])
+        if cause := self._blocked(budget, k + 1): return budget, cause
+        self.swapped.pop(0); self.bm.swap_in(seq.seq_id)
+        n = min(seq.remaining, budget)
+        self.bm.append_slots(seq.seq_id, seq.num_computed, seq.num_computed + n)
+        seq.status = SeqStatus.RUNNING; self.running.append(seq)
+        self._add_row(out, seq, n, "swapped_in", f"swapped in: {k} blocks back from CPU"); budget -= n
+    return budget, None
+
+@patch
+def _schedule_waiting(self: Scheduler, out: SchedulerOutput, budget: int) -> tuple[int, str|None]:
+    while self.waiting:
+        seq = self.waiting[0][1]
+        if cause := self._blocked(budget, self.bm.blocks_for(seq.num_tokens)): return budget, cause
+        heapq.heappop(self.waiting)
+        seq.num_computed = self.bm.allocate(seq.seq_id, seq.token_ids)
+        seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed)
+        n = min(seq.remaining, budget)
+        seq.status = SeqStatus.RUNNING; self.running.append(seq)
+        hit = f", {seq.num_computed} from the prefix cache" if seq.num_computed else ""
+        self._add_row(out, seq, n, "admitted", f"admitted: {n} tokens scheduled{hit}"); budget -= n
+        if seq.first_scheduled_time is None: seq.first_scheduled_time = time.perf_counter()
+    return budget, None
+
+# %% ../nbs/07_scheduler.ipynb
+@patch
+def _record_waits(self: Scheduler, out: SchedulerOutput, swapped_cause, waiting_cause):
+    done = {s.seq_id for s in out.preempted}     # already have their decision this step
+    for s in self.swapped:
+        if s.seq_id not in done: self._decide(out, s, "waited", f"swapped: {swapped_cause}")
+    if not self.waiting: return
+    head = self.waiting[0][1]
+    for _, s in self.waiting:
+        if s.seq_id in done: continue
+        self._decide(out, s, "waited", waiting_cause if s is head else f"queued behind seq {head.seq_id} ({waiting_cause})")
+
+@patch
+def schedule(self: Scheduler) -> SchedulerOutput:
+    "One step's batch under the token budget: running sequences, then swapped ones back, then waiting ones."
+    self.num_steps += 1
+    out = SchedulerOutput(step=self.num_steps)
+    budget = self._schedule_running(out, self.cfg.max_num_batched_tokens)
+    swapped_cause = waiting_cause = "a running sequence was preempted this step (KV cache full): nothing new starts"
+    if not out.preempted:
+        budget, swapped_cause = self._schedule_swapped(out, budget)
+        if swapped_cause: waiting_cause = f"swapped sequences resume first ({len(self.swapped)} swapped; {swapped_cause})"
+        else: budget, waiting_cause = self._schedule_waiting(out, budget)
+    self._record_waits(out, swapped_cause, waiting_cause)
+    ops = self.bm.take_ops()
+    out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy = ops.swap_out, ops.swap_in, ops.copy
+    if self.history is not None:
+        self.history.append([(r.seq_id, "decode" if len(r.token_ids) == 1 and r.num_computed >= r.seq.num_prompt_tokens
+                              else "prefill", len(r.token_ids)) for r in out.scheduled]
+                            + [(s.seq_id, "preempted", 0) for s in out.preempted])
+    return out
+
+# %% ../nbs/07_scheduler.ipynb
+@patch
+def update(self: Scheduler, out: SchedulerOutput):
     "Record that the scheduled tokens were computed."
-    for seq, n in out.work:
+    for r in out.scheduled:
+        seq = r.seq
         if seq.is_finished: continue
-        seq.num_computed += n
+        seq.num_computed += len(r.token_ids)
         self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
 
-def _finish(self: Scheduler, seq: Sequence, reason: str):
+@patch
+def finish(self: Scheduler, seq: Sequence, reason: str):
     "Stop a sequence wherever it is and free its blocks."
     if seq.is_finished: return
     if seq.status == SeqStatus.RUNNING: self.running.remove(seq); self.bm.free(seq.seq_id)
@@ -139,14 +254,13 @@ def _finish(self: Scheduler, seq: Sequence, reason: str):
         self.waiting = [(k, s) for k, s in self.waiting if s is not seq]; heapq.heapify(self.waiting)
     seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
 
-def _fork(self: Scheduler, parent: Sequence, child: Sequence):
+@patch
+def fork(self: Scheduler, parent: Sequence, child: Sequence):
     "Start `child` running on a copy-on-write share of `parent`'s blocks."
     child.token_ids, child.num_computed = list(parent.token_ids), parent.num_computed
     child.first_scheduled_time = parent.first_scheduled_time
     self.bm.fork(parent.seq_id, child.seq_id)
     child.status = SeqStatus.RUNNING; self.running.append(child)
-
-Scheduler.update, Scheduler.finish, Scheduler.fork = _update, _finish, _fork
 
 # %% ../nbs/07_scheduler.ipynb
 def plot_timeline(history, ax=None):

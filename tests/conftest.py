@@ -1,7 +1,7 @@
 "End-to-end fixtures: a real `llm-engine serve` process on a free loopback port."
 import sys
 import pytest
-from llm_engine.bench import ServerProcess
+from llm_engine.testing import ServerProcess
 
 class Server(ServerProcess):
     "`llm-engine serve ARGS`, its output kept for the tests to read; `stop()` sends SIGTERM and returns the exit code."

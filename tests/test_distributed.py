@@ -1,7 +1,8 @@
 "Tensor parallelism on 2 CPU ranks (gloo): equality with one process, KV ops on every rank, and no orphan after a failure."
 import os, re, signal, subprocess, sys, textwrap, time
 import pytest, torch
-from llm_engine.engine import LLMEngine, make_tiny_model
+from llm_engine.engine import LLMEngine
+from llm_engine.testing import make_tiny_model
 from llm_engine.sampling import SamplingParams
 from llm_engine.distributed import attach_tensor_parallel, TPWorkerError
 
@@ -95,7 +96,8 @@ def test_default_model_tp2_equals_tp1():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="NCCL tensor parallelism needs 2 CUDA devices")
 def test_nccl_tp2_on_two_gpus_matches_cpu(tiny):
-    from llm_engine.model import load_model, ModelRunner
+    from llm_engine.model import load_model
+    from llm_engine.runner import ModelRunner
     from llm_engine.distributed import TPSpec, TensorParallelExecutor
     ref = ModelRunner(load_model(tiny)[0], 16, 16, attention_backend="torch")
     ex = TensorParallelExecutor(TPSpec(tiny, 2, 16, 16, attention_backend="torch", device="cuda"))

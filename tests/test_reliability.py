@@ -208,11 +208,11 @@ def test_engine_fault_fails_only_affected_requests(tiny):
     from llm_engine.engine import AsyncLLMEngine, LLMEngine
     from llm_engine.config import EngineConfig
     aeng = AsyncLLMEngine(LLMEngine(EngineConfig.create(model=tiny, num_blocks=128))).start()
-    eng, real_run, faults = aeng.engine, aeng.engine.runner.run, {"left": 0}
-    def flaky(work):
+    eng, real_execute, faults = aeng.engine, aeng.engine.runner.execute, {"left": 0}
+    def flaky(out):
         if faults["left"]: faults["left"] -= 1; raise RuntimeError("injected fault")
-        return real_run(work)
-    eng.runner.run = flaky
+        return real_execute(out)
+    eng.runner.execute = flaky
     try:
         client = TestClient(build_app(aeng))
         body = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True}

@@ -3,7 +3,7 @@ import re, threading, time
 import httpx, pytest
 ray = pytest.importorskip("ray", reason="needs the optional Ray extra: pip install llm_engine[ray]")
 from ray import serve
-from llm_engine.engine import make_tiny_model
+from llm_engine.testing import make_tiny_model
 from llm_engine.distributed import free_port
 from llm_engine.serve import serve_replicas, rendezvous, prefix_key
 
