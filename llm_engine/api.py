@@ -42,6 +42,8 @@ class ServerConfig:
     limit_concurrency: int|None = None     # connections beyond this get 503 at once (default: 90% of the open-file limit)
     timeout_keep_alive: int = 5            # seconds an idle keep-alive connection is kept
     log_level: str = "info"
+    replicas: int = 1                      # engine replicas behind one endpoint on Ray Serve (chapter 11c; pip install ".[ray]")
+    ray_address: str|None = None           # join this Ray cluster ("auto", "HOST:6379") instead of starting one
 
 # %% ../nbs/10_api.ipynb
 def clean_model_name(name: str) -> str:

@@ -101,7 +101,13 @@ def _serve(a):
     from llm_engine.config import EngineConfig
     kw = config_kw(a, ServerConfig)
     kw.setdefault("api_key", os.environ.get("LLM_ENGINE_API_KEY"))
-    return serve(ServerConfig(**kw), EngineConfig.create(**_engine_kw(a)))
+    sc = ServerConfig(**kw)
+    if sc.replicas > 1:     # N engines behind a prefix-aware router on Ray Serve (chapter 11c)
+        from llm_engine.serve import serve_replicas
+        serve_replicas(replicas=sc.replicas, host=sc.host, port=sc.port, api_key=sc.api_key, served_model_name=sc.served_model_name,
+                       ray_address=sc.ray_address, **_engine_kw(a))
+        return 0
+    return serve(sc, EngineConfig.create(**_engine_kw(a)))
 
 def _trace(a) -> int:
     "Print the server's explanation of one request (GET /v1/debug/trace)."

@@ -63,6 +63,9 @@ class LLMEngine:
         self._seed = itertools.count(cfg.seed * 1_000_003)
         # why each request waited, was chunked or preempted: cheap enough to leave on (see 07c)
         self.tracer = Tracer(cfg.trace_capacity, record_blocks=cfg.trace_blocks) if cfg.trace_capacity else None
+        if cfg.tensor_parallel_size > 1:     # the forward runs on N ranks instead (chapter 11b explains how)
+            from llm_engine.distributed import attach_tensor_parallel
+            self.runner = attach_tensor_parallel(self, cfg.tensor_parallel_size)
 
     @property
     def model_name(self): return self.model_path.name
@@ -276,6 +279,7 @@ class AsyncLLMEngine:
             for rid in list(self.engine.requests):
                 out = self.engine.abort(rid)
                 if out: self._deliver(out)
+        if hasattr(self.engine.runner, "close"): self.engine.runner.close()    # tensor-parallel ranks exit with us
 
 # %% ../nbs/08_engine.ipynb
 class LLM:

@@ -123,3 +123,12 @@ def test_async_engine_and_openai_app_on_two_ranks(tiny):
     try: assert asyncio.run(ask(e2)) == asyncio.run(ask(e1))
     finally: ex.close()
     assert [p.exitcode for p in ex.procs] == [0]
+
+def test_cli_tensor_parallel_flag_gives_the_same_text(tiny):
+    "`--tensor-parallel-size 2` on the CLI runs the engine on two ranks and prints what one process prints."
+    def gen(*extra):
+        r = subprocess.run([sys.executable, "-m", "llm_engine.cli", "generate", "Once upon a time", "--model", str(tiny),
+                            "--max-tokens", "12", "--num-blocks", "64", *extra], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout
+    assert gen("--tensor-parallel-size", "2") == gen()
