@@ -136,6 +136,9 @@ class EngineConfig:
     stream_stall_timeout: float = 10.0 # s a streaming client may leave output unread before its request is paused or aborted (0: never)
     stream_stall_action: str = "pause" # "pause": stop computing it, KV kept, until the client reads; "abort": cancel it
     device: str = "auto"               # "auto" (cuda, then mps, else cpu), "cpu", "cuda", "cuda:1", "mps"
+    trace_capacity: int = 1024         # engine steps the trace ring buffer keeps (0: no tracing)
+    trace_blocks: bool = False         # also copy the KV block map into every step record (notebooks, not servers)
+    tensor_parallel_size: int = 1      # ranks that split every layer (torch.distributed; chapter 11b)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
