@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse, dataclasses, os, sys
 
 # %% auto 0
-__all__ = ['HELP', 'FLAGS', 'SKIP', 'SIZES', 'add_config_args', 'config_kw', 'build_parser', 'main']
+__all__ = ['HELP', 'FLAGS', 'SKIP', 'SIZES', 'CHOICES', 'add_config_args', 'config_kw', 'build_parser', 'main']
 
 # %% ../nbs/11_cli.ipynb
 HELP = {
@@ -21,10 +21,13 @@ HELP = {
     "served_model_name": "the model's name in the API (default: the model's name without cache suffixes)",
     "limit_concurrency": "connections beyond this get 503 (default: 90%% of the open-file limit)",
     "timeout_keep_alive": "seconds before an idle keep-alive connection is closed",
+    "chat_template": "a Jinja chat template file, used instead of the model's (tools are passed to it when it renders `tools`)",
+    "tool_call_parser": "the tool-call format: hermes (<tool_call> JSON, the default for templates without tool support)",
 }
 FLAGS = {"num_threads": ["--threads", "--num-threads"], "enable_prefix_caching": ["--no-prefix-caching"]}
 SKIP = {"seed", "cache", "scheduler"}   # the engine seed is not a CLI knob; sub-configs are flattened
 SIZES = {"kv_cache_memory", "swap_space", "max_body_bytes"}
+CHOICES = {"attention_backend": ["auto", "cpp", "torch"], "tool_call_parser": ["hermes"]}
 
 def _arg_type(name, t: str):
     if name in SIZES: return str
@@ -43,7 +46,7 @@ def add_config_args(p, cls, title):
             flags = FLAGS.get(f.name, ["--no-" + f.name.replace("_", "-")] if default else ["--" + f.name.replace("_", "-")])
             g.add_argument(*flags, dest=f.name, action="store_false" if default else "store_true", default=argparse.SUPPRESS, help=h)
             continue
-        choices = ["auto", "cpp", "torch"] if f.name == "attention_backend" else None
+        choices = CHOICES.get(f.name)
         g.add_argument(*flags, dest=f.name, type=_arg_type(f.name, f.type), default=argparse.SUPPRESS, choices=choices,
                        help=h if default is None else f"{h} (default: {_show(f.name, default)})".lstrip())
 

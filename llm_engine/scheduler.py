@@ -30,6 +30,7 @@ class Sequence:
         self.first_scheduled_time = self.first_token_time = self.last_token_time = None
         self.num_cached_tokens = 0
         self.output_text, self.logprobs, self.cumulative_logprob = "", [], 0.0
+        self.matcher = None   # its grammar's state when the request has structured outputs (set by the engine)
     @property
     def num_tokens(self): return len(self.token_ids)
     @property
