@@ -218,7 +218,7 @@ def structured_outputs_of(req: SamplingRequest) -> StructuredOutputsParams|None:
     (k, spec), = specs.items()
     if forced is not None: return forced
     try: return StructuredOutputsParams(**spec, any_whitespace=not (req.structured_outputs or {}).get("disable_any_whitespace", True))
-    except ValueError as e: raise bad_request(k, f"{k}: {e}") from None
+    except Exception as e: raise bad_request(k, f"{k}: {e}") from None   # whatever the grammar library makes of a bad spec is the client's 400
 
 # %% ../nbs/09a_protocol.ipynb
 def to_sampling_params(req: SamplingRequest, tok, vocab_size: int) -> SamplingParams:
