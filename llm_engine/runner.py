@@ -4,7 +4,7 @@
 
 # %% ../nbs/07a_runner.ipynb 3
 from __future__ import annotations
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from fastcore.basics import patch
 import torch
@@ -24,12 +24,14 @@ class StepInputs:
     attn: AttentionMetadata
     sample_index: torch.Tensor   # [S] flat index of the last token of each sampled row
     sampled: list                # [S] index into `SchedulerOutput.scheduled` of each sampled row
+    spans: dict = field(default_factory=dict)   # row index -> (start, end) in the flat batch, for rows wanting all logits
 
 @dataclass
 class RunnerOutput:
     "Logits of the sampled rows, in the order of `SchedulerOutput.scheduled` (on the CPU, where sampling runs)."
     logits: torch.Tensor|None    # [S, vocab] float32; None when nothing was sampled
     sampled: list                # [S] index into `SchedulerOutput.scheduled` of each row of `logits`
+    row_logits: dict = field(default_factory=dict)   # row index -> [n, vocab] logits of every position (rows with all_logits)
 
 # %% ../nbs/07a_runner.ipynb
 class ModelRunner:
@@ -78,9 +80,10 @@ def prepare(self: ModelRunner, rows: list[ScheduledSeq]) -> StepInputs:
     where = [0] * len(rows)
     for rank, i in enumerate(order): where[i] = ends[rank] - 1
     sampled = [i for i, r in enumerate(rows) if r.do_sample]
+    spans = {i: (where[i] + 1 - len(r.token_ids), where[i] + 1) for i, r in enumerate(rows) if r.all_logits}
     dev = self.device
     return StepInputs(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), md,
-                      torch.tensor([where[i] for i in sampled], dtype=torch.long, device=dev), sampled)
+                      torch.tensor([where[i] for i in sampled], dtype=torch.long, device=dev), sampled, spans)
 
 @patch
 @torch.inference_mode()
@@ -91,7 +94,8 @@ def execute(self: ModelRunner, out: SchedulerOutput) -> RunnerOutput:
     inp = self.prepare(out.scheduled)
     hidden = self.model(inp.input_ids, inp.positions, inp.attn, self.layer_caches)
     logits = self.model.compute_logits(hidden[inp.sample_index]) if inp.sampled else None
-    return RunnerOutput(None if logits is None else logits.to("cpu"), inp.sampled)
+    rows = {i: self.model.compute_logits(hidden[s:e]).to("cpu") for i, (s, e) in inp.spans.items()}
+    return RunnerOutput(None if logits is None else logits.to("cpu"), inp.sampled, rows)
 
 # %% ../nbs/07a_runner.ipynb
 @patch

@@ -56,6 +56,7 @@ class ScheduledSeq:
     block_table: list       # physical block of each logical block
     do_sample: bool         # the row reaches the sequence's last token: its logits are sampled
     seq: Sequence|None = field(default=None, repr=False, compare=False)   # for the engine; the runner never reads it
+    all_logits: bool = False  # also return the logits of every position of the row (prompt logprobs)
 
 @dataclass
 class Decision:
@@ -122,8 +123,9 @@ def _preempt(self: Scheduler, out: SchedulerOutput, seq: Sequence, why: str):
 def _add_row(self: Scheduler, out: SchedulerOutput, seq: Sequence, n: int, action=None, note=""):
     "Schedule `n` tokens of `seq` (its slots are already allocated)."
     c, total = seq.num_computed, seq.num_tokens
+    wants_prompt = getattr(seq.params, "prompt_logprobs", None) is not None and c < seq.num_prompt_tokens
     out.scheduled.append(ScheduledSeq(seq.seq_id, seq.request_id, seq.token_ids[c:c + n], c,
-                                      list(self.bm.block_table(seq.seq_id)), c + n == total, seq))
+                                      list(self.bm.block_table(seq.seq_id)), c + n == total, seq, wants_prompt))
     chunk = f"prefill chunked: {c + n} of {total} tokens" if c + n < total else ""
     if action is None:
         action = "chunked" if chunk else "scheduled"
@@ -194,7 +196,7 @@ def _schedule_waiting(self: Scheduler, out: SchedulerOutput, budget: int) -> tup
         seq = self.waiting[0][1]
         if cause := self._blocked(budget, self.bm.blocks_for(seq.num_tokens)): return budget, cause
         heapq.heappop(self.waiting)
-        seq.num_computed = self.bm.allocate(seq.seq_id, seq.token_ids)
+        seq.num_computed = self.bm.allocate(seq.seq_id, seq.token_ids, getattr(seq.params, "prompt_logprobs", None) is None)
         seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed)
         n = min(seq.remaining, budget)
         seq.status = SeqStatus.RUNNING; self.running.append(seq)
