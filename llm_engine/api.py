@@ -15,16 +15,18 @@ from fastcore.basics import patch
 from .engine import AsyncLLMEngine, QueueFull, RequestOutput
 from .metrics import engine_stats, prometheus_text
 from .protocol import *
+from .tool_parsers import render_tool_messages, parse_tool_calls, ToolCallStreamParser
 
 # %% auto 0
-__all__ = ['log', 'PROTECTED', 'ENGINE_HAS_PROMPT_LOGPROBS', 'router', 'SEND_BUFFER', 'ServerConfig', 'clean_model_name',
-           'model_aliases', 'ServerContext', 'Guard', 'error_json', 'render_chat', 'chat_messages',
-           'completion_prompt_ids', 'prepare', 'start', 'start_all', 'ClientGone', 'until_done', 'tok_str',
-           'chat_logprobs', 'completion_logprobs', 'join_logprobs', 'prompt_logprobs_json', 'usage', 'finish_reason',
-           'sse', 'sse_error', 'Cursor', 'chat_chunk', 'chat_stream', 'merge', 'EventStream', 'completion_chunk',
-           'completion_stream', 'echo_text', 'echo_logprobs', 'needs_prompt_logprobs', 'chat_completions',
-           'chat_response', 'completions', 'completion_choice', 'tokenize', 'detokenize', 'health', 'models', 'stats',
-           'metrics', 'debug_trace', 'build_app', 'raise_open_file_limit', 'listen_socket', 'serve']
+__all__ = ['log', 'PROTECTED', 'ENGINE_HAS_PROMPT_LOGPROBS', 'router', 'TOOL_CALL_PARSERS', 'SEND_BUFFER', 'ServerConfig',
+           'clean_model_name', 'model_aliases', 'ServerContext', 'Guard', 'error_json', 'render_chat', 'chat_messages',
+           'chat_prompt_ids', 'tools_active', 'completion_prompt_ids', 'prepare', 'start', 'start_all', 'ClientGone',
+           'until_done', 'tok_str', 'chat_logprobs', 'completion_logprobs', 'join_logprobs', 'prompt_logprobs_json',
+           'usage', 'finish_reason', 'sse', 'sse_error', 'Cursor', 'chat_chunk', 'chat_stream', 'chat_chunks', 'merge',
+           'EventStream', 'completion_chunk', 'completion_stream', 'echo_text', 'echo_logprobs',
+           'needs_prompt_logprobs', 'chat_completions', 'chat_response', 'completions', 'completion_choice', 'tokenize',
+           'detokenize', 'health', 'models', 'stats', 'metrics', 'debug_trace', 'load_chat_template',
+           'check_tool_call_parser', 'build_app', 'raise_open_file_limit', 'listen_socket', 'serve']
 
 # %% ../nbs/10_api.ipynb
 log = logging.getLogger("llm_engine.api")
@@ -41,6 +43,8 @@ class ServerConfig:
     max_body_bytes: int = 4 * 2**20
     limit_concurrency: int|None = None     # connections beyond this get 503 at once (default: 90% of the open-file limit)
     timeout_keep_alive: int = 5            # seconds an idle keep-alive connection is kept
+    chat_template: str|None = None         # a Jinja chat template file used instead of the model's
+    tool_call_parser: str = "hermes"       # how tool calls are written and parsed (the default format of chapter 6b)
     log_level: str = "info"
     replicas: int = 1                      # engine replicas behind one endpoint on Ray Serve (chapter 11c; pip install ".[ray]")
     ray_address: str|None = None           # join this Ray cluster ("auto", "HOST:6379") instead of starting one
@@ -60,8 +64,14 @@ class ServerContext:
     aeng: AsyncLLMEngine
     name: str
     aliases: set
+    chat_template: str|None = None      # the template text, when the server was given one
+    tool_call_parser: str = "hermes"
     @property
     def engine(self): return self.aeng.engine
+    @property
+    def template_has_tools(self) -> bool:
+        "Whether the chat template renders `tools` itself (else the default Hermes-style block is used)."
+        return "tools" in (self.chat_template or self.tok.chat_template or "")
     @property
     def tok(self): return self.aeng.engine.tokenizer
     @property
@@ -138,12 +148,26 @@ def render_chat(tok, messages: list[dict], add_generation_prompt=True, **templat
     return ids
 
 def chat_messages(req) -> list[dict]:
-    "Plain dicts for the template; tool calls in the history are refused (tools are not supported)."
+    "Plain dicts for the template, with an assistant's `tool_calls` and a tool message's `tool_call_id` kept."
     out = []
     for i, m in enumerate(req.messages):
-        if (m.model_extra or {}).get("tool_calls"): raise bad_request(f"messages.{i}.tool_calls", "tool calls are not supported")
-        out.append({"role": m.role, "content": m.text(i), **({"name": m.name} if m.name else {})})
+        extra = {k: v for k, v in (m.model_extra or {}).items() if k in ("tool_calls", "tool_call_id") and v}
+        if "tool_calls" in extra and (m.role != "assistant" or not isinstance(extra["tool_calls"], list)):
+            raise bad_request(f"messages.{i}.tool_calls", "tool_calls must be a list, on an assistant message")
+        out.append({"role": m.role, "content": m.text(i), **({"name": m.name} if m.name else {}), **extra})
     return out
+
+# %% ../nbs/10_api.ipynb
+def chat_prompt_ids(ctx: ServerContext, req) -> list[int]:
+    "The prompt of a chat request: its messages (and tools) through the chat template."
+    tools, choice = req.tool_setup()
+    shown, msgs = tools if choice != "none" else [], chat_messages(req)
+    kw = {**(req.chat_template_kwargs or {}), **({"chat_template": ctx.chat_template} if ctx.chat_template else {})}
+    if ctx.template_has_tools: return render_chat(ctx.tok, msgs, req.add_generation_prompt, **({"tools": shown} if shown else {}), **kw)
+    if shown or any(m["role"] == "tool" or m.get("tool_calls") for m in msgs): msgs = render_tool_messages(msgs, shown)
+    return render_chat(ctx.tok, msgs, req.add_generation_prompt, **kw)
+
+def tools_active(req) -> bool: return bool(getattr(req, "tools", None)) and req.tool_setup()[1] != "none"
 
 # %% ../nbs/10_api.ipynb
 def completion_prompt_ids(ctx: ServerContext, p) -> list[int]:
@@ -163,6 +187,8 @@ ENGINE_HAS_PROMPT_LOGPROBS = "prompt_logprobs" in RequestOutput.__dataclass_fiel
 
 async def start(ctx: ServerContext, ids, params, priority, param, request_id=None):
     "Open an engine stream; returns `(first_output, generator)`."
+    if params.structured_outputs is not None:   # compiled (or found cached) off the event loop and outside the engine's lock
+        await asyncio.to_thread(ctx.engine.structured.compile, params.structured_outputs)
     gen = ctx.aeng.generate(ids, params, request_id=request_id or f"req-{uuid.uuid4().hex}", priority=priority)
     try: first = await gen.__anext__()
     except ValueError as e: raise bad_request(param, str(e)) from None
@@ -274,13 +300,15 @@ def chat_chunk(ctx, req, c, step, usage_now=None) -> ChatCompletionResponse|None
 async def chat_stream(ctx, req, head: dict, first, gen):
     "SSE events of one streamed chat completion."
     so, cursors, out = req.stream_options or StreamOptions(), {}, first
+    parsers = {i: ToolCallStreamParser() for i in range(req.n)} if tools_active(req) else None
     try:
         for i in range(req.n): yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
         async for out in _chain(first, gen):
             if out.error: yield sse_error(out.error); return
             for c in out.outputs:
                 step = cursors.setdefault(c.index, Cursor()).advance(c)
-                if step: yield sse({**chat_chunk(ctx, req, c, step, usage([out]) if so.continuous_usage_stats else None).model_dump(exclude={"usage"} if not so.continuous_usage_stats else set()), **head})
+                for ch in chat_chunks(ctx, req, c, step, usage([out]) if so.continuous_usage_stats else None, parsers) if step else ():
+                    yield sse({**ch.model_dump(exclude={"usage"} if not so.continuous_usage_stats else set()), **head})
         if so.include_usage: yield sse({**head, "choices": [], "usage": usage([out]).model_dump()})
         yield "data: [DONE]\n\n"
     finally: await gen.aclose()
@@ -288,6 +316,21 @@ async def chat_stream(ctx, req, head: dict, first, gen):
 async def _chain(first, gen):
     yield first
     async for o in gen: yield o
+
+# %% ../nbs/10_api.ipynb
+def _tool_finish(c, called: bool) -> str: return "tool_calls" if called and c.finish_reason == "stop" else finish_reason(c)
+
+def chat_chunks(ctx, req, c, step, usage_now=None, parsers=None) -> list[ChatCompletionResponse]:
+    "The chunks for one step of choice `c`: one, or with tools, one per content or tool-call delta."
+    if parsers is None: return [chat_chunk(ctx, req, c, step, usage_now)]
+    new, ids, lps, done = step
+    p = parsers[c.index]
+    deltas = [d.to_openai() for d in p.feed(new) + (p.finish() if done else [])]
+    if done or not deltas: deltas.append({})          # the finish reason, or logprobs with nothing to show yet
+    chunks = [chat_chunk(ctx, req, c, (None, ids if k == 0 else [], lps if k == 0 else None, False), usage_now) for k in range(len(deltas))]
+    for ch, d in zip(chunks, deltas): ch.choices[0].delta = d
+    if done: chunks[-1].choices[0].finish_reason = _tool_finish(c, bool(p.tool_calls))
+    return [ch for ch, d in zip(chunks, deltas) if d or done or ch.choices[0].logprobs is not None]
 
 # %% ../nbs/10_api.ipynb
 async def merge(started):
@@ -383,7 +426,7 @@ def _params(ctx, req):
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     ctx = _ctx(request); params = _params(ctx, req)
     if not req.messages: raise bad_request("messages", "messages must not be empty")
-    try: ids = render_chat(ctx.tok, chat_messages(req), req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+    try: ids = chat_prompt_ids(ctx, req)
     except APIError: raise
     except Exception as e: raise bad_request("messages", f"Could not render the messages with the chat template: {e}") from None
     ids, params = prepare(ctx, req, ids, params, "messages")
@@ -398,7 +441,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 def chat_response(ctx, req, head, out) -> ChatCompletionResponse:
     choices = []
     for c in out.outputs:
-        ch = ChatChoice(index=c.index, message=ChatChoiceMessage(content=c.text), finish_reason=finish_reason(c),
+        msg, reason = ChatChoiceMessage(content=c.text), finish_reason(c)
+        if tools_active(req) and (parsed := parse_tool_calls(c.text)).tool_calls:
+            msg = ChatChoiceMessage(content=parsed.content, tool_calls=[t.to_openai() for t in parsed.tool_calls])
+            reason = _tool_finish(c, True)
+        ch = ChatChoice(index=c.index, message=msg, finish_reason=reason,
                         logprobs=chat_logprobs(ctx.tok, c.token_ids, c.logprobs, req.top_logprobs, req.return_tokens_as_token_ids)
                         if req.logprobs and c.logprobs is not None else None)
         if req.return_token_ids: ch.token_ids = list(c.token_ids)
@@ -482,11 +529,29 @@ async def debug_trace(request: Request, request_id: str|None = None):
     return body
 
 # %% ../nbs/10_api.ipynb
-def build_app(aeng: AsyncLLMEngine, served_model_name=None, api_key=None, max_body_bytes=4 * 2**20, allowed_origins=None) -> FastAPI:
-    "The OpenAI-compatible FastAPI app over a running `AsyncLLMEngine`."
+TOOL_CALL_PARSERS = ("hermes",)
+
+def load_chat_template(t: str|None) -> str|None:
+    "A chat template from a file (or given inline, as Jinja text); None keeps the model's own."
+    if t is None: return None
+    from pathlib import Path
+    if "{{" in t or "{%" in t: return t
+    p = Path(t).expanduser()
+    if not p.is_file(): raise FileNotFoundError(f"chat template file {t!r} not found")
+    return p.read_text()
+
+def check_tool_call_parser(name: str) -> str:
+    if name not in TOOL_CALL_PARSERS: raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {name!r}")
+    return name
+
+# %% ../nbs/10_api.ipynb
+def build_app(aeng: AsyncLLMEngine, served_model_name=None, api_key=None, max_body_bytes=4 * 2**20, allowed_origins=None,
+              chat_template=None, tool_call_parser="hermes") -> FastAPI:
+    "The OpenAI-compatible FastAPI app over a running `AsyncLLMEngine`; `chat_template` is a template file or text."
     name = served_model_name or clean_model_name(aeng.engine.model_name)
     app = FastAPI(title="llm_engine", version="0.1.0", lifespan=_lifespan)
-    app.state.ctx = ServerContext(aeng, name, model_aliases(aeng.engine.model_name) | {name})
+    app.state.ctx = ServerContext(aeng, name, model_aliases(aeng.engine.model_name) | {name}, load_chat_template(chat_template),
+                                  check_tool_call_parser(tool_call_parser))
     app.include_router(router)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -537,7 +602,7 @@ def serve(server: ServerConfig|None = None, engine=None, **engine_kw):
     s = server or ServerConfig()
     nofile = raise_open_file_limit()
     aeng = AsyncLLMEngine(LLMEngine(engine or EngineConfig.create(**engine_kw))).start()
-    app = build_app(aeng, s.served_model_name, s.api_key, s.max_body_bytes, s.allowed_origins)
+    app = build_app(aeng, s.served_model_name, s.api_key, s.max_body_bytes, s.allowed_origins, s.chat_template, s.tool_call_parser)
     bm, limit = aeng.engine.block_manager, s.limit_concurrency or max(16, int(nofile * 0.9) - 64)
     print(f"llm_engine: serving {app.state.ctx.name} on http://{s.host}:{s.port}/v1 ({bm.num_blocks} KV blocks of {bm.block_size} tokens; "
           f"up to {limit} connections)", flush=True)

@@ -9,8 +9,9 @@ from dataclasses import dataclass, asdict
 import torch
 
 # %% auto 0
-__all__ = ['OFFLINE_COLS', 'HTTP_COLS', 'Request', 'make_workload', 'bench_hf_sequential', 'bench_hf_static', 'bench_engine',
-           'run_benchmark', 'format_table', 'main', 'bench_http', 'llama_cpp_available', 'run_http_sweep', 'plot_sweep']
+__all__ = ['OFFLINE_COLS', 'HTTP_COLS', 'BENCH_SCHEMA', 'STRUCTURED_COLS', 'Request', 'make_workload', 'bench_hf_sequential',
+           'bench_hf_static', 'bench_engine', 'run_benchmark', 'format_table', 'main', 'bench_http',
+           'llama_cpp_available', 'run_http_sweep', 'plot_sweep', 'bench_structured']
 
 # %% ../nbs/12_benchmarks.ipynb
 @dataclass
@@ -102,7 +103,11 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny workload, to check the harness runs")
     ap.add_argument("--out", default="bench_results/bench.json")
     ap.add_argument("--no-http", action="store_true", help="skip the HTTP servers and the concurrency sweep")
+    ap.add_argument("--structured", action="store_true", help="only the cost of constrained decoding at batch 32 (free vs JSON Schema)")
     a = ap.parse_args(argv)
+    if a.structured:
+        res = bench_structured(**(dict(batch=4, max_tokens=8) if a.quick else {}), seed=a.seed, model=a.model)
+        print(format_table(res, STRUCTURED_COLS)); return res
     kw = dict(n=4, hf_subset=2, prompt_len=(10, 20), output_len=(4, 8)) if a.quick else dict(n=a.requests, hf_subset=a.hf_subset)
     res = run_benchmark(seed=a.seed, model=a.model, **kw)
     print(res["machine"]); print(format_table(res))
@@ -215,3 +220,46 @@ def plot_sweep(rows, ax=None):
         ax[1].plot([r["concurrency"] for r in rs], [r["ttft_ms_p99"] for r in rs], marker="x", ls="--", label=f"{name} TTFT p99")
     for a, t in zip(ax, ("output tokens/s", "ms")): a.set_xscale("log", base=2); a.set_xlabel("concurrent clients"); a.set_ylabel(t); a.legend(fontsize=7)
     return ax
+
+# %% ../nbs/12_benchmarks.ipynb
+BENCH_SCHEMA = {"type": "array", "minItems": 64, "items": {"type": "object", "properties": {
+    "kind": {"enum": ["cat", "dog", "fish"]}, "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+    "required": ["kind", "ok", "n"], "additionalProperties": False}}
+
+def _timed_run(llm, reqs, so, seed):
+    from llm_engine.sampling import SamplingParams
+    eng = llm.engine
+    params = [SamplingParams(temperature=1.0, max_tokens=r.max_tokens, seed=seed + k, ignore_eos=so is None, structured_outputs=so)
+              for k, r in enumerate(reqs)]
+    steps0, mask0, masked0 = eng.num_steps, eng.grammar_mask_time, eng.grammar_mask_steps
+    t = time.perf_counter()
+    outs = llm.generate([r.prompt_token_ids for r in reqs], params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    assert [len(o.outputs[0].token_ids) for o in outs] == [r.max_tokens for r in reqs], "a constrained output ended early"
+    assert eng.block_manager.num_used_blocks == 0
+    steps, masked = eng.num_steps - steps0, eng.grammar_mask_steps - masked0
+    return dt, steps, (eng.grammar_mask_time - mask0) / max(masked, 1), [o.outputs[0].text for o in outs]
+
+# %% ../nbs/12_benchmarks.ipynb
+def bench_structured(batch=32, max_tokens=64, prompt_len=(16, 32), rounds=2, seed=0, model=None, schema=None, llm=None) -> dict:
+    "Decode cost of constrained decoding at `batch`: tokens/s free and under a JSON Schema, and mask time per step, in one run."
+    from llm_engine.engine import LLM
+    from llm_engine.structured import StructuredOutputsParams
+    llm = llm or LLM(model, max_num_seqs=batch, num_blocks=max(256, batch * 8))
+    reqs = make_workload(batch, prompt_len, (max_tokens, max_tokens), seed)
+    so = StructuredOutputsParams(json=schema or BENCH_SCHEMA)
+    _timed_run(llm, reqs[:2], so, seed)              # warm-up: compile the grammar, build the tokenizer info
+    best = {"free": None, "json_schema": None}
+    for _ in range(rounds):
+        for name, s in (("free", None), ("json_schema", so)):
+            r = _timed_run(llm, reqs, s, seed)
+            if best[name] is None or r[0] < best[name][0]: best[name] = r
+    toks = batch * max_tokens
+    rows = [dict(system=name, batch=batch, output_tokens=toks, seconds=round(dt, 2), tok_s=round(toks / dt, 1), steps=steps,
+                 mask_ms_per_step=round(1e3 * mask, 2) if name != "free" else 0.0) for name, (dt, steps, mask, _) in best.items()]
+    rows[1]["overhead_pct"] = round(100 * (best["json_schema"][0] / best["free"][0] - 1), 1)
+    rows[1]["mask_share_pct"] = round(100 * best["json_schema"][2] * best["json_schema"][1] / best["json_schema"][0], 1)
+    return dict(workload=dict(batch=batch, max_tokens=max_tokens, prompt_len=prompt_len, rounds=rounds, seed=seed),
+                rows=rows, sample=best["json_schema"][3][0][:120])
+
+STRUCTURED_COLS = ["system", "batch", "output_tokens", "seconds", "tok_s", "steps", "mask_ms_per_step", "mask_share_pct", "overhead_pct"]

@@ -23,11 +23,14 @@ HELP = {
     "timeout_keep_alive": "seconds before an idle keep-alive connection is closed",
     "stream_stall_timeout": "seconds a streaming client may leave output unread before its request is paused or aborted (0: never)",
     "stream_stall_action": "pause: stop computing a stalled request, KV kept, until its client reads; abort: cancel it",
+    "chat_template": "a Jinja chat template file, used instead of the model's (tools are passed to it when it renders `tools`)",
+    "tool_call_parser": "the tool-call format: hermes (<tool_call> JSON, the default for templates without tool support)",
 }
 CHOICES = {"attention_backend": ["auto", "cpp", "torch"], "stream_stall_action": ["pause", "abort"]}
 FLAGS = {"num_threads": ["--threads", "--num-threads"], "enable_prefix_caching": ["--no-prefix-caching"]}
 SKIP = {"seed", "cache", "scheduler"}   # the engine seed is not a CLI knob; sub-configs are flattened
 SIZES = {"kv_cache_memory", "swap_space", "max_body_bytes"}
+CHOICES = {"attention_backend": ["auto", "cpp", "torch"], "tool_call_parser": ["hermes"]}
 
 def _arg_type(name, t: str):
     if name in SIZES: return str
@@ -106,6 +109,7 @@ def _serve(a):
     kw.setdefault("api_key", os.environ.get("LLM_ENGINE_API_KEY"))
     sc = ServerConfig(**kw)
     if sc.replicas > 1:     # N engines behind a prefix-aware router on Ray Serve (chapter 11c)
+        if sc.chat_template: raise ValueError("--chat-template is not supported with --replicas yet")
         from llm_engine.serve import serve_replicas
         serve_replicas(replicas=sc.replicas, host=sc.host, port=sc.port, api_key=sc.api_key, served_model_name=sc.served_model_name,
                        ray_address=sc.ray_address, **_engine_kw(a))

@@ -17,6 +17,7 @@ from .sampling import SamplingParams, sample
 from .outputs import (CompletionOutput, RequestMetrics, RequestOutput, IncrementalDetokenizer,
                                  append_token, completion_output)
 from .scheduler import Scheduler, Sequence, SeqStatus
+from .structured import StructuredOutputManager, apply_grammar_masks
 from .trace import Tracer
 
 # %% auto 0
@@ -61,6 +62,8 @@ class LLMEngine:
         self.token_log = deque(maxlen=100_000)       # (time, tokens generated) per step
         self.num_steps = self.num_generated_tokens = 0
         self._seed = itertools.count(cfg.seed * 1_000_003)
+        self._structured, self._structured_lock, self._bitmask = None, threading.Lock(), None   # built on the first constrained request
+        self.grammar_mask_time, self.grammar_mask_steps = 0.0, 0
         # why each request waited, was chunked or preempted: cheap enough to leave on (see 07c)
         self.tracer = Tracer(cfg.trace_capacity, record_blocks=cfg.trace_blocks) if cfg.trace_capacity else None
         if cfg.tensor_parallel_size > 1:     # the forward runs on N ranks instead (chapter 11b explains how)
@@ -96,6 +99,7 @@ def add_request(self: LLMEngine, request_id, prompt, params: SamplingParams|None
     if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting: raise QueueFull("the request queue is full")
     gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else torch.Generator().manual_seed(next(self._seed))
     seq = Sequence(request_id, ids, params, priority, arrival_time, 0, gen)
+    if params.structured_outputs is not None: seq.matcher = self.structured.matcher(params.structured_outputs)
     req = _Request(request_id, text, ids, params, [seq], metrics=RequestMetrics(seq.arrival_time, num_prompt_tokens=len(ids)))
     req.detoks[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
     if params.prompt_logprobs is not None: req.prompt_logprobs = [None] * len(ids)
@@ -126,11 +130,11 @@ def step(self: LLMEngine) -> list[RequestOutput]:
     self.scheduler.update(out)
     for k, lg in res.row_logits.items(): self._prompt_logprobs(out.scheduled[k], lg)
     seqs = [out.scheduled[i].seq for i in res.sampled]
-    samples = sample(res.logits, seqs, self.eos_ids) if seqs else []
+    samples = self._sample(res.logits, seqs) if seqs else []
     now, touched = time.perf_counter(), {}
     for k, (seq, smp) in enumerate(zip(seqs, samples)):
         req = self.requests.get(seq.request_id)
-        if req is None: continue                      # failed earlier in this step (another of its n)
+        if req is None or seq.is_finished: continue   # failed earlier in this step (another of its n)
         if smp.error:                                 # non-finite logits fail this request alone
             touched[req.request_id] = self._fail(req, ValueError(smp.error)); continue
         if req.params.n > len(req.seqs): self._fork(req, seq, res.logits[k], now)
@@ -165,18 +169,58 @@ def _fork(self: LLMEngine, req: _Request, parent: Sequence, logits, now):
         self.scheduler.fork(parent, child)
         req.seqs.append(child)
         req.detoks[child.seq_id] = IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, req.params.skip_special_tokens)
-        self._append(req, child, sample(logits[None], [child], self.eos_ids)[0], now)
+        child.matcher = parent.matcher.fork() if parent.matcher is not None else None   # before the parent accepts
+        self._append(req, child, self._sample(logits[None], [child])[0], now)
 
 @patch
 def _append(self: LLMEngine, req: _Request, seq: Sequence, smp, now):
     "Add one sampled token to `seq` and finish it if a stop condition is met."
     if seq.first_token_time is None: seq.first_token_time = now
     seq.last_token_time = now
+    if not self._accept(req, seq, smp): return
     fin = append_token(seq, smp, req.detoks[seq.seq_id], self.eos_ids, self.max_model_len)
     if fin:
         seq.stop_reason = fin.stop
         self.scheduler.finish(seq, fin.reason)
         if req.finished: self.requests.pop(req.request_id, None); self._finish_request(req)
+
+# %% ../nbs/08_engine.ipynb
+@patch(as_prop=True)
+def structured(self: LLMEngine) -> StructuredOutputManager:
+    "The grammar compiler for this engine's tokenizer, made on the first constrained request (it costs ~0.4 s)."
+    with self._structured_lock:   # the API may compile from its own thread
+        if self._structured is None:
+            self._structured = StructuredOutputManager(self.tokenizer, vocab_size=self.model.config.vocab_size,
+                                                       stop_token_ids=sorted(self.eos_ids))
+        return self._structured
+
+@patch
+def _grammar_bitmask(self: LLMEngine, rows: int):
+    "The step's bitmask, allocated once (grown only if a step samples more rows than it holds)."
+    if self._bitmask is None or self._bitmask.shape[0] < rows:
+        self._bitmask = self.structured.allocate_bitmask(max(rows, self.config.scheduler.max_num_seqs))
+    return self._bitmask
+
+# %% ../nbs/08_engine.ipynb
+@patch
+def _sample(self: LLMEngine, logits, seqs):
+    "Grammar masks on the constrained rows (one pass over the batch), then one token per row."
+    matchers = [s.matcher for s in seqs]
+    if any(m is not None for m in matchers):
+        t0 = time.perf_counter()
+        apply_grammar_masks(logits, matchers, self._grammar_bitmask(len(seqs)))
+        self.grammar_mask_time += time.perf_counter() - t0; self.grammar_mask_steps += 1
+    return sample(logits, seqs, self.eos_ids)
+
+@patch
+def _accept(self: LLMEngine, req: _Request, seq: Sequence, smp) -> bool:
+    "Advance `seq`'s grammar by the sampled token; a refused token fails the request (False)."
+    if seq.is_finished: return False                    # its request failed earlier in this step
+    if seq.matcher is None or seq.matcher.accept(smp.token_id): return True
+    why = smp.error or "something else (allowed_token_ids, logit_bias, bad_words) masked every token the grammar allows"
+    self._fail(req, ValueError(f"structured outputs: token {smp.token_id} ({self.tokenizer.decode([smp.token_id])!r}) "
+                               f"is not allowed by the grammar here; {why}"))
+    return False
 
 # %% ../nbs/08_engine.ipynb
 @patch
@@ -188,6 +232,7 @@ def _output(self: LLMEngine, req: _Request) -> RequestOutput:
 @patch
 def _finish_request(self: LLMEngine, req: _Request) -> RequestOutput:
     m, seqs = req.metrics, req.seqs
+    for s in seqs: s.matcher = None
     m.first_scheduled_time = seqs[0].first_scheduled_time
     m.first_token_time = min((s.first_token_time for s in seqs if s.first_token_time), default=None)
     m.last_token_time = max((s.last_token_time for s in seqs if s.last_token_time), default=None)

@@ -8,13 +8,15 @@ import dataclasses, re
 from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from .sampling import SamplingParams, BadParam
+from .structured import StructuredOutputsParams
+from .tool_parsers import validate_tools, tool_choice_structured_outputs
 
 # %% auto 0
 __all__ = ['ROLES', 'INT64_MIN', 'INT64_MAX', 'UNSUPPORTED', 'APIError', 'bad_request', 'ContentPart', 'ChatMessage',
            'StreamOptions', 'SamplingRequest', 'check_supported', 'ChatCompletionRequest', 'CompletionRequest',
-           'to_sampling_params', 'fit_to_context', 'TokenizeRequest', 'DetokenizeRequest', 'PromptTokensDetails',
-           'Usage', 'CompletionChoice', 'ChatChoiceMessage', 'ChatChoice', 'ChatDeltaChoice', 'CompletionResponse',
-           'ChatCompletionResponse']
+           'structured_outputs_of', 'to_sampling_params', 'fit_to_context', 'TokenizeRequest', 'DetokenizeRequest',
+           'PromptTokensDetails', 'Usage', 'CompletionChoice', 'ChatChoiceMessage', 'ChatChoice', 'ChatDeltaChoice',
+           'CompletionResponse', 'ChatCompletionResponse']
 
 # %% ../nbs/09a_protocol.ipynb
 class APIError(Exception):
@@ -83,18 +85,28 @@ class SamplingRequest(BaseModel):
     truncate_prompt_tokens: int|None = Field(None, ge=1)
     priority: int = 0
     user: str|None = None
+    # structured outputs, each client family's spelling (chapter 6a): at most one of them per request
+    response_format: dict|None = None        # OpenAI: {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
+    structured_outputs: dict|None = None     # vLLM: {"json" | "regex" | "choice" | "grammar" | "json_object" | "structural_tag": ...}
+    guided_json: dict|str|None = None        # vLLM's older fields
+    guided_regex: str|None = None
+    guided_choice: list[str]|None = None
+    guided_grammar: str|None = None
+    json_schema: dict|str|None = None        # llama.cpp
+    grammar: str|None = None
 
 # %% ../nbs/09a_protocol.ipynb
 UNSUPPORTED = {
+    # tools reach only completions requests here (chat declares them): completions has no tools
     "tools": lambda v: not v, "functions": lambda v: not v, "tool_choice": lambda v: v in (None, "none", "auto"),
     "function_call": lambda v: v in (None, "none", "auto"), "parallel_tool_calls": lambda v: True,
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "suffix": lambda v: not v, "best_of": lambda v: v in (None, 1), "audio": lambda v: v is None,
     "modalities": lambda v: v in (None, ["text"]), "prediction": lambda v: v is None, "store": lambda v: not v,
     "reasoning_effort": lambda v: v is None, "web_search_options": lambda v: v is None, "use_beam_search": lambda v: not v,
-    "guided_json": lambda v: v is None, "guided_regex": lambda v: v is None, "guided_choice": lambda v: v is None,
-    "guided_grammar": lambda v: v is None, "structured_outputs": lambda v: v is None, "continue_final_message": lambda v: not v,
-    "chat_template": lambda v: v is None, "echo": lambda v: not v,   # `echo` here only reaches chat requests (vLLM's chat echo) "documents": lambda v: v is None, "length_penalty": lambda v: v in (None, 1, 1.0),
+    "guided_decoding_backend": lambda v: v is None, "guided_whitespace_pattern": lambda v: v is None,
+    "continue_final_message": lambda v: not v, "chat_template": lambda v: v is None,
+    "echo": lambda v: not v,   # `echo` here only reaches chat requests (vLLM's chat echo)
+    "documents": lambda v: v is None, "length_penalty": lambda v: v in (None, 1, 1.0),
 }
 
 def check_supported(req: BaseModel):
@@ -113,6 +125,14 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int|None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict|None = None
+    tools: list|None = None
+    tool_choice: str|dict|None = None
+    parallel_tool_calls: bool = True
+
+    def tool_setup(self) -> tuple[list[dict], str]:
+        "The checked tools and the choice ('none', 'auto', 'required' or a function's name); 400 naming the field."
+        try: return validate_tools(self.tools, self.tool_choice)
+        except ValueError as e: raise bad_request(re.match(r"[\w.\[\]]+", str(e)).group(0), str(e)) from None
 
     def num_logprobs(self) -> int|None:
         if self.top_logprobs is not None and not self.logprobs: raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
@@ -160,6 +180,47 @@ def _bad_words(words, tok) -> list[list[int]]:
     return seqs
 
 # %% ../nbs/09a_protocol.ipynb
+def _response_format(v: dict) -> dict|None:
+    t = v.get("type")
+    if t in (None, "text"): return None
+    if t == "json_object": return {"json_object": True}
+    if t == "json_schema":
+        js = v.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("name"), str) or not isinstance(js.get("schema"), (dict, bool)):
+            raise bad_request("response_format.json_schema", "response_format json_schema needs {\"name\": str, \"schema\": {...}, \"strict\": bool}")
+        return {"json": js["schema"]}
+    raise bad_request("response_format.type", f"response_format type {t!r} is not supported (text, json_object, json_schema)")
+
+_VLLM_KEYS = {"json", "regex", "choice", "grammar", "json_object", "structural_tag", "disable_any_whitespace"}
+
+def _vllm_structured(v: dict) -> dict|None:
+    bad = sorted(set(v) - _VLLM_KEYS)
+    if bad: raise bad_request(f"structured_outputs.{bad[0]}", f"structured_outputs.{bad[0]} is not supported (one of {', '.join(sorted(_VLLM_KEYS))})")
+    spec = {k: x for k, x in v.items() if k != "disable_any_whitespace" and x not in (None, False)}
+    return spec or None
+
+# %% ../nbs/09a_protocol.ipynb
+_SOURCES = {"response_format": _response_format, "structured_outputs": _vllm_structured,
+            "guided_json": lambda v: {"json": v}, "guided_regex": lambda v: {"regex": v}, "guided_choice": lambda v: {"choice": v},
+            "guided_grammar": lambda v: {"grammar": v}, "json_schema": lambda v: {"json": v}, "grammar": lambda v: {"grammar": v}}
+
+def structured_outputs_of(req: SamplingRequest) -> StructuredOutputsParams|None:
+    "The one output constraint a request asks for, or None; 400 naming the field for two of them or a bad spec."
+    specs = {k: s for k, f in _SOURCES.items() if getattr(req, k, None) is not None and (s := f(getattr(req, k))) is not None}
+    forced = None
+    if isinstance(req, ChatCompletionRequest) and req.tools:
+        tools, _ = req.tool_setup()
+        forced = tool_choice_structured_outputs(tools, req.tool_choice, req.parallel_tool_calls)
+        if forced is not None: specs["tool_choice"] = None
+    if len(specs) > 1:
+        raise bad_request(list(specs)[1], f"give one way to constrain the output; this request gives {', '.join(specs)}", code="conflicting_parameters")
+    if not specs: return None
+    (k, spec), = specs.items()
+    if forced is not None: return forced
+    try: return StructuredOutputsParams(**spec, any_whitespace=not (req.structured_outputs or {}).get("disable_any_whitespace", True))
+    except Exception as e: raise bad_request(k, f"{k}: {e}") from None   # whatever the grammar library makes of a bad spec is the client's 400
+
+# %% ../nbs/09a_protocol.ipynb
 def to_sampling_params(req: SamplingRequest, tok, vocab_size: int) -> SamplingParams:
     "Translate a request body into `SamplingParams`; `max_tokens` stays None (the room left, decided per prompt)."
     V = vocab_size
@@ -172,7 +233,8 @@ def to_sampling_params(req: SamplingRequest, tok, vocab_size: int) -> SamplingPa
             min_tokens=req.min_tokens, logprobs=req.num_logprobs(), prompt_logprobs=req.prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=_logit_bias(req.logit_bias, V), bad_words=req.bad_words, bad_words_token_ids=_bad_words(req.bad_words, tok),
-            allowed_token_ids=_token_ids("allowed_token_ids", req.allowed_token_ids, V) if req.allowed_token_ids is not None else None)
+            allowed_token_ids=_token_ids("allowed_token_ids", req.allowed_token_ids, V) if req.allowed_token_ids is not None else None,
+            structured_outputs=structured_outputs_of(req))
     except BadParam as e: raise bad_request(e.param, str(e)) from None
 
 # %% ../nbs/09a_protocol.ipynb
@@ -224,6 +286,7 @@ class CompletionChoice(_Out):
 class ChatChoiceMessage(_Out):
     role: str = "assistant"
     content: str|None = None
+    tool_calls: list[dict]|None = None   # OpenAI's {id, type: "function", function: {name, arguments (a JSON string)}}
 
 class ChatChoice(_Out):
     index: int

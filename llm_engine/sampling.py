@@ -42,6 +42,7 @@ class SamplingParams:
     allowed_token_ids: list[int]|None = None  # only these may be sampled
     bad_words: list[str]|None = None          # never completed; `bad_words_token_ids` holds them tokenized
     bad_words_token_ids: list[list[int]]|None = None
+    structured_outputs: "StructuredOutputsParams|None" = None   # a grammar the output must match (chapter 6a)
 
     def __post_init__(self):
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -83,6 +84,9 @@ def _checks(self: SamplingParams):
          "logit_bias maps token ids to values in [-100, 100]"),
         ("allowed_token_ids", self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0 and all(isint(t) and t >= 0 for t in self.allowed_token_ids)),
          "allowed_token_ids must be a non-empty list of token ids"),
+        # a grammar decides where the output ends: it may neither be told to run past EOS nor be kept from ending
+        ("ignore_eos", not (self.ignore_eos and self.structured_outputs is not None), "ignore_eos cannot be combined with structured outputs"),
+        ("min_tokens", not (self.min_tokens and self.structured_outputs is not None), "min_tokens cannot be combined with structured outputs"),
     ]
 
 # %% ../nbs/06_sampling.ipynb

@@ -31,6 +31,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.paused = False     # its reader is not keeping up: keep its KV, compute nothing (engine's async front)
         self.output_text, self.logprobs, self.cumulative_logprob = "", [], 0.0
+        self.matcher = None   # its grammar's state when the request has structured outputs (set by the engine)
     @property
     def num_tokens(self): return len(self.token_ids)
     @property

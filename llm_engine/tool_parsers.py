@@ -38,7 +38,8 @@ def validate_tools(tools, tool_choice=None) -> tuple[list[dict], str]:
     if len(set(names)) != len(names): raise ValueError("tools: function names must be unique")
     if tool_choice is None: return tools, "auto" if tools else "none"
     if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name")
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
         if tool_choice.get("type") != "function" or name not in names:
             raise ValueError(f"tool_choice: names function {name!r}, which is not in tools")
         return tools, name

@@ -197,8 +197,8 @@ def test_tokenize_detokenize(server):
     assert error_of(post(server, "/detokenize", {"tokens": [10**9]}), 400)["param"] == "prompt"
 
 def test_unsupported_fields_refused(small):
-    for body, param in (({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-                        ({"response_format": {"type": "json_object"}}, "response_format"),
+    for body, param in (({"functions": [{"name": "f"}]}, "functions"),
+                        ({"response_format": {"type": "yaml"}}, "response_format.type"),
                         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages.0.content")):
         e = error_of(post(small, "/v1/chat/completions", {"messages": MSG, **body}), 400)
         assert e["param"] == param
