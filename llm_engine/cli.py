@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse, dataclasses, os, sys
 
 # %% auto 0
-__all__ = ['HELP', 'CHOICES', 'FLAGS', 'SKIP', 'SIZES', 'add_config_args', 'config_kw', 'build_parser', 'main']
+__all__ = ['HELP', 'FLAGS', 'SKIP', 'SIZES', 'CHOICES', 'add_config_args', 'config_kw', 'build_parser', 'main']
 
 # %% ../nbs/11_cli.ipynb
 HELP = {
@@ -26,11 +26,10 @@ HELP = {
     "chat_template": "a Jinja chat template file, used instead of the model's (tools are passed to it when it renders `tools`)",
     "tool_call_parser": "the tool-call format: hermes (<tool_call> JSON, the default for templates without tool support)",
 }
-CHOICES = {"attention_backend": ["auto", "cpp", "torch"], "stream_stall_action": ["pause", "abort"]}
 FLAGS = {"num_threads": ["--threads", "--num-threads"], "enable_prefix_caching": ["--no-prefix-caching"]}
 SKIP = {"seed", "cache", "scheduler"}   # the engine seed is not a CLI knob; sub-configs are flattened
 SIZES = {"kv_cache_memory", "swap_space", "max_body_bytes"}
-CHOICES = {"attention_backend": ["auto", "cpp", "torch"], "tool_call_parser": ["hermes"]}
+CHOICES = {"attention_backend": ["auto", "cpp", "torch"], "tool_call_parser": ["hermes"], "stream_stall_action": ["pause", "abort"]}
 
 def _arg_type(name, t: str):
     if name in SIZES: return str
