@@ -58,6 +58,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor|None = None   # [D] tokens each decode row attends to (its new one included)
     decode_backend: str = "torch"                # "torch" (gather + SDPA) or "cpp" (the in-place kernel below)
     decode_group: int = 8                        # rows per padded group on the torch path
+    attention: object = None                     # another device's whole attention function (the GPU path, 11a), or None
 
     @property
     def num_decodes(self): return 0 if self.decode_context_lens is None else len(self.decode_context_lens)
@@ -106,6 +107,7 @@ def _gather(cache, block_table, n):
 
 def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
     "Attention of `q` `[T, heads, head_dim]` over the paged cache (already holding this step's K/V)."
+    if md.attention is not None: return md.attention(q, k_cache, v_cache, md, scale)
     out = torch.empty_like(q)
     start = 0
     for i, (ql, cl) in enumerate(zip(md.prefill_query_lens, md.prefill_context_lens)):
