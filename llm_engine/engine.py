@@ -59,6 +59,10 @@ class LLMEngine:
         self.token_log = deque(maxlen=100_000)       # (time, tokens generated) per step
         self.num_steps = self.num_generated_tokens = 0
         self._seed = itertools.count(cfg.seed * 1_000_003)
+        self.speculator = None
+        if cfg.speculative.enabled:      # speculative decoding is its own chapter, after this one (08b)
+            from llm_engine.spec_decode import Speculator
+            self.speculator = Speculator(cfg.speculative)
 
     @property
     def model_name(self): return self.model_path.name
@@ -107,6 +111,7 @@ def abort(self: LLMEngine, request_id) -> RequestOutput|None:
 @patch
 def step(self: LLMEngine) -> list[RequestOutput]:
     "Run one engine step; returns the outputs of every request it touched."
+    if self.speculator is not None: self.speculator.propose(self)   # draft tokens for running decodes (notebook 08b)
     out = self.scheduler.schedule()
     if not out:      # a step that only preempted still has K/V to move
         if out.has_block_ops: self.runner.apply_block_ops(out)
@@ -115,16 +120,22 @@ def step(self: LLMEngine) -> list[RequestOutput]:
     except Exception as e:    # a failed forward fails the requests in it, not the engine
         return [self._fail(self.requests[rid], e) for rid in dict.fromkeys(r.request_id for r in out.scheduled) if rid in self.requests]
     self.scheduler.update(out)
-    seqs = [out.scheduled[i].seq for i in res.sampled]
-    samples = sample(res.logits, seqs, self.eos_ids) if seqs else []
-    now, touched = time.perf_counter(), {}
-    for k, (seq, smp) in enumerate(zip(seqs, samples)):
-        req = self.requests[seq.request_id]
+    rows = [out.scheduled[i] for i in res.sampled]
+    plain = [k for k, r in enumerate(rows) if not r.spec_token_ids]     # rows with drafts are verified below
+    logits = res.logits if len(plain) == len(rows) else res.logits[plain]
+    samples = sample(logits, [rows[k].seq for k in plain], self.eos_ids) if plain else []
+    now, touched, n_new = time.perf_counter(), {}, len(samples)
+    for k, smp in zip(plain, samples):
+        seq = rows[k].seq; req = self.requests[seq.request_id]
         if req.params.n > len(req.seqs): self._fork(req, seq, res.logits[k], now)
         self._append(req, seq, smp, now)
         touched[req.request_id] = req
-    self.num_steps += 1; self.num_generated_tokens += len(samples)
-    self.token_log.append((now, len(samples)))
+    for k, r in enumerate(rows):
+        if not r.spec_token_ids: continue
+        req = touched[r.request_id] = self.requests[r.request_id]
+        n_new += self.speculator.verify(self, req, r, res.row_logits[res.sampled[k]], now)
+    self.num_steps += 1; self.num_generated_tokens += n_new
+    self.token_log.append((now, n_new))
     return [self._output(r) for r in touched.values()]
 
 @patch

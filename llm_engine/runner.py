@@ -4,7 +4,7 @@
 
 # %% ../nbs/07a_runner.ipynb 3
 from __future__ import annotations
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from fastcore.basics import patch
 import torch
@@ -22,14 +22,16 @@ class StepInputs:
     input_ids: torch.Tensor      # [T] every row's tokens, prefill rows first
     positions: torch.Tensor      # [T]
     attn: AttentionMetadata
-    sample_index: torch.Tensor   # [S] flat index of the last token of each sampled row
+    sample_index: torch.Tensor   # [L] flat index of each position whose logits are wanted (row by row)
     sampled: list                # [S] index into `SchedulerOutput.scheduled` of each sampled row
+    num_logits: list = field(default_factory=list)   # [S] positions per sampled row in `sample_index` (1 for most)
 
 @dataclass
 class RunnerOutput:
     "Logits of the sampled rows, in the order of `SchedulerOutput.scheduled` (on the CPU, where sampling runs)."
     logits: torch.Tensor|None    # [S, vocab] float32; None when nothing was sampled
     sampled: list                # [S] index into `SchedulerOutput.scheduled` of each row of `logits`
+    row_logits: dict = field(default_factory=dict)   # scheduled index -> [num_logits, vocab], rows with num_logits > 1
 
 # %% ../nbs/07a_runner.ipynb
 class ModelRunner:
@@ -78,9 +80,11 @@ def prepare(self: ModelRunner, rows: list[ScheduledSeq]) -> StepInputs:
     where = [0] * len(rows)
     for rank, i in enumerate(order): where[i] = ends[rank] - 1
     sampled = [i for i, r in enumerate(rows) if r.do_sample]
+    nl = [rows[i].num_logits for i in sampled]
+    flat = [p for i, k in zip(sampled, nl) for p in range(where[i] - k + 1, where[i] + 1)]
     dev = self.device
     return StepInputs(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), md,
-                      torch.tensor([where[i] for i in sampled], dtype=torch.long, device=dev), sampled)
+                      torch.tensor(flat, dtype=torch.long, device=dev), sampled, nl)
 
 @patch
 @torch.inference_mode()
@@ -90,8 +94,12 @@ def execute(self: ModelRunner, out: SchedulerOutput) -> RunnerOutput:
     if not out.scheduled: return RunnerOutput(None, [])
     inp = self.prepare(out.scheduled)
     hidden = self.model(inp.input_ids, inp.positions, inp.attn, self.layer_caches)
-    logits = self.model.compute_logits(hidden[inp.sample_index]) if inp.sampled else None
-    return RunnerOutput(None if logits is None else logits.to("cpu"), inp.sampled)
+    if not inp.sampled: return RunnerOutput(None, [])
+    logits = self.model.compute_logits(hidden[inp.sample_index]).to("cpu")
+    if len(logits) == len(inp.sampled): return RunnerOutput(logits, inp.sampled)
+    ends = list(accumulate(inp.num_logits))      # several positions for some rows: split them out
+    rows = {i: logits[e - k:e] for i, k, e in zip(inp.sampled, inp.num_logits, ends) if k > 1}
+    return RunnerOutput(logits[[e - 1 for e in ends]], inp.sampled, rows)
 
 # %% ../nbs/07a_runner.ipynb
 @patch
