@@ -37,7 +37,7 @@ setuptools.setup(
     include_package_data = True,
     package_data = {cfg['lib_name']: ['csrc/*.cpp']},   # the C++ decode kernel, compiled on first use
     install_requires = requirements,
-    extras_require={ 'dev': dev_requirements },
+    extras_require={ 'dev': dev_requirements, 'ray': shlex.split(cfg.get('ray_requirements', '')) },
     dependency_links = cfg.get('dep_links','').split(),
     python_requires  = '>=' + cfg['min_python'],
     long_description = open('README.md', encoding='utf-8').read(),

@@ -23,7 +23,8 @@ __all__ = ['log', 'PROTECTED', 'ENGINE_HAS_PROMPT_LOGPROBS', 'router', 'ServerCo
            'join_logprobs', 'prompt_logprobs_json', 'usage', 'finish_reason', 'sse', 'sse_error', 'Cursor',
            'chat_chunk', 'chat_stream', 'merge', 'completion_chunk', 'completion_stream', 'echo_text', 'echo_logprobs',
            'needs_prompt_logprobs', 'chat_completions', 'chat_response', 'completions', 'completion_choice', 'tokenize',
-           'detokenize', 'health', 'models', 'stats', 'metrics', 'build_app', 'raise_open_file_limit', 'serve']
+           'detokenize', 'health', 'models', 'stats', 'metrics', 'debug_trace', 'build_app', 'raise_open_file_limit',
+           'serve']
 
 # %% ../nbs/10_api.ipynb
 log = logging.getLogger("llm_engine.api")
@@ -41,6 +42,8 @@ class ServerConfig:
     limit_concurrency: int|None = None     # connections beyond this get 503 at once (default: 90% of the open-file limit)
     timeout_keep_alive: int = 5            # seconds an idle keep-alive connection is kept
     log_level: str = "info"
+    replicas: int = 1                      # engine replicas behind one endpoint on Ray Serve (chapter 11c; pip install ".[ray]")
+    ray_address: str|None = None           # join this Ray cluster ("auto", "HOST:6379") instead of starting one
 
 # %% ../nbs/10_api.ipynb
 def clean_model_name(name: str) -> str:
@@ -158,19 +161,21 @@ def prepare(ctx: ServerContext, req, ids, params, param):
 # %% ../nbs/10_api.ipynb
 ENGINE_HAS_PROMPT_LOGPROBS = "prompt_logprobs" in RequestOutput.__dataclass_fields__
 
-async def start(ctx: ServerContext, ids, params, priority, param):
+async def start(ctx: ServerContext, ids, params, priority, param, request_id=None):
     "Open an engine stream; returns `(first_output, generator)`."
-    gen = ctx.aeng.generate(ids, params, request_id=f"req-{uuid.uuid4().hex}", priority=priority)
+    gen = ctx.aeng.generate(ids, params, request_id=request_id or f"req-{uuid.uuid4().hex}", priority=priority)
     try: first = await gen.__anext__()
     except ValueError as e: raise bad_request(param, str(e)) from None
     except QueueFull as e: raise APIError(503, str(e), "server_overloaded", code="queue_full") from None
     return first, gen
 
-async def start_all(ctx, req, prompts, params, param):
+async def start_all(ctx, req, prompts, params, param, request_id=None):
     "Start every prompt's stream; if one fails, close those already started."
-    started = []
+    started = []   # the engine's request id is the response's id (`-i` for prompt i of several), so a trace can be asked for
     try:
-        for ids, p in prompts: started.append(await start(ctx, ids, p, req.priority, param))
+        for i, (ids, p) in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 or request_id is None else f"{request_id}-{i}"
+            started.append(await start(ctx, ids, p, req.priority, param, rid))
     except BaseException:
         for _, g in started: await g.aclose()
         raise
@@ -366,8 +371,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     except APIError: raise
     except Exception as e: raise bad_request("messages", f"Could not render the messages with the chat template: {e}") from None
     ids, params = prepare(ctx, req, ids, params, "messages")
-    started = await start_all(ctx, req, [(ids, params)], params, "messages")
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()), "model": ctx.name}
+    started = await start_all(ctx, req, [(ids, params)], params, "messages", head["id"])
     if req.stream: return StreamingResponse(chat_stream(ctx, req, head, *started[0]), media_type="text/event-stream")
     try: out, = await until_done(request, started)
     except ClientGone: return Response(status_code=499)
@@ -392,8 +397,8 @@ def chat_response(ctx, req, head, out) -> ChatCompletionResponse:
 async def completions(req: CompletionRequest, request: Request):
     ctx = _ctx(request); params = _params(ctx, req)
     prompts = [prepare(ctx, req, completion_prompt_ids(ctx, p), params, "prompt") for p in req.prompts()]
-    started = await start_all(ctx, req, prompts, params, "prompt")
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": ctx.name}
+    started = await start_all(ctx, req, prompts, params, "prompt", head["id"])
     if req.stream: return StreamingResponse(completion_stream(ctx, req, head, started), media_type="text/event-stream")
     try: outs = await until_done(request, started)
     except ClientGone: return Response(status_code=499)
@@ -442,6 +447,20 @@ async def stats(request: Request): return engine_stats(_ctx(request).engine)
 
 @router.get("/metrics")
 async def metrics(request: Request): return Response(prometheus_text(_ctx(request).engine), media_type="text/plain; version=0.0.4")
+
+@router.get("/v1/debug/trace")
+async def debug_trace(request: Request, request_id: str|None = None):
+    "Why a request waited, was chunked or preempted, in words: the engine's trace (notebook 07c) for a response id."
+    aeng = _ctx(request).aeng; tr = aeng.engine.tracer
+    if tr is None: raise APIError(404, "tracing is off: start the server with --trace-capacity above 0", "not_found_error", "request_id")
+    def read():      # on a worker thread: the step thread writes the trace under this lock
+        with aeng._lock:
+            if request_id is None: return {"requests": list(tr.requests)[-100:]}
+            ids = [k for k in tr.requests if k == request_id or k.startswith(request_id + "-")]
+            return {"request_id": request_id, "traces": [tr.to_dict(k) for k in ids]} if ids else None
+    body = await asyncio.to_thread(read)
+    if body is None: raise APIError(404, f"no trace for request {request_id!r}: unknown, or older than the trace keeps", "not_found_error", "request_id", "trace_not_found")
+    return body
 
 # %% ../nbs/10_api.ipynb
 def build_app(aeng: AsyncLLMEngine, served_model_name=None, api_key=None, max_body_bytes=4 * 2**20, allowed_origins=None) -> FastAPI:

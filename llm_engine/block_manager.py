@@ -109,13 +109,13 @@ def _cached_block(self: BlockManager, h, tokens: tuple, parent: int) -> int|None
     return bid if b.token_ids == tokens and b.parent == parent else None   # a collision is a miss
 
 @patch
-def allocate(self: BlockManager, seq_id, token_ids) -> int:
+def allocate(self: BlockManager, seq_id, token_ids, use_cache=True) -> int:
     "Give `seq_id` blocks for `token_ids`; returns how many leading tokens are already computed (prefix-cache hits)."
     assert seq_id not in self.tables, f"sequence {seq_id} already has blocks"
     if not self.can_allocate(len(token_ids)):
         raise NoFreeBlocks(f"{len(token_ids)} tokens need {self.blocks_for(len(token_ids))} blocks, {self.num_free_blocks} free")
     bs, table, h, parent, hits = self.block_size, [], None, -1, 0
-    if self.enable_prefix_caching:
+    if self.enable_prefix_caching and use_cache:     # a request that wants its prompt's logprobs must compute every token
         for i in range((len(token_ids) - 1) // bs):
             toks = tuple(token_ids[i*bs:(i+1)*bs])
             h = chain_hash(toks, h)

@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-tokens", type=int, default=256); c.add_argument("--temperature", type=float, default=0.7)
     c.add_argument("--system", default=None, help="system prompt")
     sub.add_parser("bench", help="benchmark against transformers' generate (see `llm-engine bench --help`)", add_help=False)
+    t = sub.add_parser("trace", help="why a request of a running server waited or was preempted, in words")
+    t.add_argument("request_id", help="the response's id (chatcmpl-... or cmpl-...)")
+    t.add_argument("--url", default="http://127.0.0.1:8000", help="the server's address")
+    t.add_argument("--api-key", default=None, help="the server's API key (default: $LLM_ENGINE_API_KEY)")
     return ap
 
 # %% ../nbs/11_cli.ipynb
@@ -101,7 +105,24 @@ def _serve(a):
     from llm_engine.config import EngineConfig
     kw = config_kw(a, ServerConfig)
     kw.setdefault("api_key", os.environ.get("LLM_ENGINE_API_KEY"))
-    return serve(ServerConfig(**kw), EngineConfig.create(**_engine_kw(a)))
+    sc = ServerConfig(**kw)
+    if sc.replicas > 1:     # N engines behind a prefix-aware router on Ray Serve (chapter 11c)
+        from llm_engine.serve import serve_replicas
+        serve_replicas(replicas=sc.replicas, host=sc.host, port=sc.port, api_key=sc.api_key, served_model_name=sc.served_model_name,
+                       ray_address=sc.ray_address, **_engine_kw(a))
+        return 0
+    return serve(sc, EngineConfig.create(**_engine_kw(a)))
+
+def _trace(a) -> int:
+    "Print the server's explanation of one request (GET /v1/debug/trace)."
+    import httpx
+    key = a.api_key or os.environ.get("LLM_ENGINE_API_KEY")
+    try: r = httpx.get(f"{a.url.rstrip('/')}/v1/debug/trace", params={"request_id": a.request_id},
+                       headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30)
+    except httpx.HTTPError as e: print(f"llm-engine: error: cannot reach {a.url}: {e}", file=sys.stderr); return 2
+    if r.status_code != 200: print(f"llm-engine: error: {r.json()['error']['message']}", file=sys.stderr); return 1
+    for t in r.json()["traces"]: print("\n".join(t["explanation"]))
+    return 0
 
 def _chat(eng, a):
     from llm_engine.api import render_chat
@@ -121,6 +142,7 @@ def main(argv=None):
         from llm_engine.bench import main as bench_main
         return bench_main(argv[1:])
     a = build_parser().parse_args(argv)
+    if a.cmd == "trace": return _trace(a)
     try:
         if a.cmd == "serve": return _serve(a)
         from llm_engine.engine import LLMEngine

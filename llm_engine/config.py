@@ -148,6 +148,9 @@ class EngineConfig:
     num_threads: int|None = None
     attention_backend: str = "auto"    # decode attention: "cpp" (in-place C++ kernel), "torch" (gather + SDPA), or "auto"
     device: str = "auto"               # "auto" (cuda, then mps, else cpu), "cpu", "cuda", "cuda:1", "mps"
+    trace_capacity: int = 1024         # engine steps the trace ring buffer keeps (0: no tracing)
+    trace_blocks: bool = False         # also copy the KV block map into every step record (notebooks, not servers)
+    tensor_parallel_size: int = 1      # ranks that split every layer (torch.distributed; chapter 11b)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

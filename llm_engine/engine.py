@@ -17,6 +17,7 @@ from .sampling import SamplingParams, sample
 from .outputs import (CompletionOutput, RequestMetrics, RequestOutput, IncrementalDetokenizer,
                                  append_token, completion_output)
 from .scheduler import Scheduler, Sequence, SeqStatus
+from .trace import Tracer
 
 # %% auto 0
 __all__ = ['QueueFull', 'LLMEngine', 'AsyncLLMEngine', 'LLM']
@@ -35,6 +36,7 @@ class _Request:
     detoks: dict = field(default_factory=dict)     # seq_id -> IncrementalDetokenizer
     metrics: RequestMetrics = None
     error: str|None = None
+    prompt_logprobs: list|None = None                # filled by position as the prompt's chunks are computed
     @property
     def finished(self): return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
 
@@ -59,6 +61,11 @@ class LLMEngine:
         self.token_log = deque(maxlen=100_000)       # (time, tokens generated) per step
         self.num_steps = self.num_generated_tokens = 0
         self._seed = itertools.count(cfg.seed * 1_000_003)
+        # why each request waited, was chunked or preempted: cheap enough to leave on (see 07c)
+        self.tracer = Tracer(cfg.trace_capacity, record_blocks=cfg.trace_blocks) if cfg.trace_capacity else None
+        if cfg.tensor_parallel_size > 1:     # the forward runs on N ranks instead (chapter 11b explains how)
+            from llm_engine.distributed import attach_tensor_parallel
+            self.runner = attach_tensor_parallel(self, cfg.tensor_parallel_size)
         self.speculator = None
         if cfg.speculative.enabled:      # speculative decoding is its own chapter, after this one (08b)
             from llm_engine.spec_decode import Speculator
@@ -95,6 +102,7 @@ def add_request(self: LLMEngine, request_id, prompt, params: SamplingParams|None
     seq = Sequence(request_id, ids, params, priority, arrival_time, 0, gen)
     req = _Request(request_id, text, ids, params, [seq], metrics=RequestMetrics(seq.arrival_time, num_prompt_tokens=len(ids)))
     req.detoks[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+    if params.prompt_logprobs is not None: req.prompt_logprobs = [None] * len(ids)
     self.requests[request_id] = req
     self.scheduler.add(seq)
     return request_id
@@ -113,6 +121,7 @@ def step(self: LLMEngine) -> list[RequestOutput]:
     "Run one engine step; returns the outputs of every request it touched."
     if self.speculator is not None: self.speculator.propose(self)   # draft tokens for running decodes (notebook 08b)
     out = self.scheduler.schedule()
+    rec = self.tracer.record(out, self.block_manager) if self.tracer else None
     if not out:      # a step that only preempted still has K/V to move
         if out.has_block_ops: self.runner.apply_block_ops(out)
         return [self._output(self.requests[s.request_id]) for s in out.preempted if s.request_id in self.requests]
@@ -120,23 +129,45 @@ def step(self: LLMEngine) -> list[RequestOutput]:
     except Exception as e:    # a failed forward fails the requests in it, not the engine
         return [self._fail(self.requests[rid], e) for rid in dict.fromkeys(r.request_id for r in out.scheduled) if rid in self.requests]
     self.scheduler.update(out)
+    for k, lg in res.row_logits.items(): self._prompt_logprobs(out.scheduled[k], lg)
     rows = [out.scheduled[i] for i in res.sampled]
     plain = [k for k, r in enumerate(rows) if not r.spec_token_ids]     # rows with drafts are verified below
     logits = res.logits if len(plain) == len(rows) else res.logits[plain]
     samples = sample(logits, [rows[k].seq for k in plain], self.eos_ids) if plain else []
     now, touched, n_new = time.perf_counter(), {}, len(samples)
     for k, smp in zip(plain, samples):
-        seq = rows[k].seq; req = self.requests[seq.request_id]
+        seq = rows[k].seq; req = self.requests.get(seq.request_id)
+        if req is None: continue                      # failed earlier in this step (another of its n)
+        if smp.error:                                 # non-finite logits fail this request alone
+            touched[req.request_id] = self._fail(req, ValueError(smp.error)); continue
         if req.params.n > len(req.seqs): self._fork(req, seq, res.logits[k], now)
         self._append(req, seq, smp, now)
         touched[req.request_id] = req
-    for k, r in enumerate(rows):
-        if not r.spec_token_ids: continue
+        if rec is not None: rec.tokens.setdefault(req.request_id, []).append(smp.token_id)
+    for i in res.sampled:
+        r = out.scheduled[i]
+        if not r.spec_token_ids or r.request_id not in self.requests: continue
         req = touched[r.request_id] = self.requests[r.request_id]
-        n_new += self.speculator.verify(self, req, r, res.row_logits[res.sampled[k]], now)
+        toks = self.speculator.verify(self, req, r, res.row_logits[i], now)
+        n_new += len(toks)
+        if rec is not None: rec.tokens.setdefault(req.request_id, []).extend(toks)
     self.num_steps += 1; self.num_generated_tokens += n_new
     self.token_log.append((now, n_new))
-    return [self._output(r) for r in touched.values()]
+    return [r if isinstance(r, RequestOutput) else self._output(r) for r in touched.values()]
+
+@patch
+def _prompt_logprobs(self: LLMEngine, row, logits):
+    "Logits at position p predict prompt token p+1: keep its logprob and the top `prompt_logprobs` alternatives."
+    req = self.requests.get(row.request_id)
+    if req is None or req.prompt_logprobs is None: return
+    ids, k, n0 = req.prompt_token_ids, req.params.prompt_logprobs, row.num_computed
+    lp = torch.log_softmax(logits.float(), -1)
+    for j in range(len(row.token_ids)):
+        p = n0 + j + 1
+        if p >= len(ids): break
+        entry = {ids[p]: lp[j, ids[p]].item()}
+        if k: entry.update((t, v) for v, t in zip(*map(torch.Tensor.tolist, lp[j].topk(k))) if t not in entry)
+        req.prompt_logprobs[p] = entry
 
 @patch
 def _fork(self: LLMEngine, req: _Request, parent: Sequence, logits, now):
@@ -166,7 +197,7 @@ def _append(self: LLMEngine, req: _Request, seq: Sequence, smp, now):
 def _output(self: LLMEngine, req: _Request) -> RequestOutput:
     outs = [completion_output(s) for s in sorted(req.seqs, key=lambda s: s.index)]
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished or req.error is not None
-                         or any(s.finish_reason == "abort" for s in req.seqs), req.metrics, req.error)
+                         or any(s.finish_reason == "abort" for s in req.seqs), req.metrics, req.error, req.prompt_logprobs)
 
 @patch
 def _finish_request(self: LLMEngine, req: _Request) -> RequestOutput:
@@ -178,6 +209,7 @@ def _finish_request(self: LLMEngine, req: _Request) -> RequestOutput:
     m.num_output_tokens = sum(len(s.output_token_ids) for s in seqs)
     m.num_cached_tokens = seqs[0].num_cached_tokens
     self.finished_log.append(m)
+    if self.tracer: self.tracer.finish(req.request_id, self.scheduler.num_steps, req.error or seqs[0].finish_reason)
     return self._output(req)
 
 @patch
@@ -261,6 +293,7 @@ class AsyncLLMEngine:
             for rid in list(self.engine.requests):
                 out = self.engine.abort(rid)
                 if out: self._deliver(out)
+        if hasattr(self.engine.runner, "close"): self.engine.runner.close()    # tensor-parallel ranks exit with us
 
 # %% ../nbs/08_engine.ipynb
 class LLM:

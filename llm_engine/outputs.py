@@ -41,6 +41,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics|None = None
     error: str|None = None
+    prompt_logprobs: list|None = None   # per prompt token: None (the first), else {token_id: logprob}, its own first
 
 # %% ../nbs/07b_outputs.ipynb
 class _WindowDecoder:

@@ -22,16 +22,16 @@ class StepInputs:
     input_ids: torch.Tensor      # [T] every row's tokens, prefill rows first
     positions: torch.Tensor      # [T]
     attn: AttentionMetadata
-    sample_index: torch.Tensor   # [L] flat index of each position whose logits are wanted (row by row)
+    sample_index: torch.Tensor   # [S] flat index of the last token of each sampled row
     sampled: list                # [S] index into `SchedulerOutput.scheduled` of each sampled row
-    num_logits: list = field(default_factory=list)   # [S] positions per sampled row in `sample_index` (1 for most)
+    spans: dict = field(default_factory=dict)   # row index -> (start, end) in the flat batch, for rows wanting all logits
 
 @dataclass
 class RunnerOutput:
     "Logits of the sampled rows, in the order of `SchedulerOutput.scheduled` (on the CPU, where sampling runs)."
     logits: torch.Tensor|None    # [S, vocab] float32; None when nothing was sampled
     sampled: list                # [S] index into `SchedulerOutput.scheduled` of each row of `logits`
-    row_logits: dict = field(default_factory=dict)   # scheduled index -> [num_logits, vocab], rows with num_logits > 1
+    row_logits: dict = field(default_factory=dict)   # row index -> [n, vocab] logits of every position (rows with all_logits)
 
 # %% ../nbs/07a_runner.ipynb
 class ModelRunner:
@@ -80,11 +80,10 @@ def prepare(self: ModelRunner, rows: list[ScheduledSeq]) -> StepInputs:
     where = [0] * len(rows)
     for rank, i in enumerate(order): where[i] = ends[rank] - 1
     sampled = [i for i, r in enumerate(rows) if r.do_sample]
-    nl = [rows[i].num_logits for i in sampled]
-    flat = [p for i, k in zip(sampled, nl) for p in range(where[i] - k + 1, where[i] + 1)]
+    spans = {i: (where[i] + 1 - len(r.token_ids), where[i] + 1) for i, r in enumerate(rows) if r.all_logits}
     dev = self.device
     return StepInputs(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), md,
-                      torch.tensor(flat, dtype=torch.long, device=dev), sampled, nl)
+                      torch.tensor([where[i] for i in sampled], dtype=torch.long, device=dev), sampled, spans)
 
 @patch
 @torch.inference_mode()
@@ -94,12 +93,9 @@ def execute(self: ModelRunner, out: SchedulerOutput) -> RunnerOutput:
     if not out.scheduled: return RunnerOutput(None, [])
     inp = self.prepare(out.scheduled)
     hidden = self.model(inp.input_ids, inp.positions, inp.attn, self.layer_caches)
-    if not inp.sampled: return RunnerOutput(None, [])
-    logits = self.model.compute_logits(hidden[inp.sample_index]).to("cpu")
-    if len(logits) == len(inp.sampled): return RunnerOutput(logits, inp.sampled)
-    ends = list(accumulate(inp.num_logits))      # several positions for some rows: split them out
-    rows = {i: logits[e - k:e] for i, k, e in zip(inp.sampled, inp.num_logits, ends) if k > 1}
-    return RunnerOutput(logits[[e - 1 for e in ends]], inp.sampled, rows)
+    logits = self.model.compute_logits(hidden[inp.sample_index]) if inp.sampled else None
+    rows = {i: self.model.compute_logits(hidden[s:e]).to("cpu") for i, (s, e) in inp.spans.items()}
+    return RunnerOutput(None if logits is None else logits.to("cpu"), inp.sampled, rows)
 
 # %% ../nbs/07a_runner.ipynb
 @patch

@@ -56,8 +56,8 @@ class ScheduledSeq:
     block_table: list       # physical block of each logical block
     do_sample: bool         # the row reaches the sequence's last token: its logits are sampled
     seq: Sequence|None = field(default=None, repr=False, compare=False)   # for the engine; the runner never reads it
+    all_logits: bool = False  # also return the logits of every position of the row (prompt logprobs, draft tokens)
     spec_token_ids: list = field(default_factory=list)   # draft tokens appended to `token_ids`, to verify (notebook 08b)
-    num_logits: int = 1     # when sampled: logits of the row's last `num_logits` positions are returned
 
 @dataclass
 class Decision:
@@ -124,8 +124,9 @@ def _preempt(self: Scheduler, out: SchedulerOutput, seq: Sequence, why: str):
 def _add_row(self: Scheduler, out: SchedulerOutput, seq: Sequence, n: int, action=None, note="", spec=()):
     "Schedule `n` tokens of `seq`, then the draft tokens `spec` (their slots are already allocated)."
     c, total, spec = seq.num_computed, seq.num_tokens, list(spec)
+    wants_prompt = getattr(seq.params, "prompt_logprobs", None) is not None and c < seq.num_prompt_tokens
     out.scheduled.append(ScheduledSeq(seq.seq_id, seq.request_id, seq.token_ids[c:c + n] + spec, c,
-                                      list(self.bm.block_table(seq.seq_id)), c + n == total, seq, spec, 1 + len(spec)))
+                                      list(self.bm.block_table(seq.seq_id)), c + n == total, seq, wants_prompt or bool(spec), spec))
     chunk = f"prefill chunked: {c + n} of {total} tokens" if c + n < total else ""
     if action is None:
         action = "chunked" if chunk else "scheduled"
@@ -207,7 +208,7 @@ def _schedule_waiting(self: Scheduler, out: SchedulerOutput, budget: int) -> tup
         seq = self.waiting[0][1]
         if cause := self._blocked(budget, self.bm.blocks_for(seq.num_tokens)): return budget, cause
         heapq.heappop(self.waiting)
-        seq.num_computed = self.bm.allocate(seq.seq_id, seq.token_ids)
+        seq.num_computed = self.bm.allocate(seq.seq_id, seq.token_ids, getattr(seq.params, "prompt_logprobs", None) is None)
         seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed)
         n = min(seq.remaining, budget)
         seq.status = SeqStatus.RUNNING; self.running.append(seq)

@@ -67,15 +67,16 @@ class Speculator:
 from fastcore.basics import patch
 
 @patch
-def verify(self: Speculator, engine, req, row, logits, now) -> int:
-    "Emit the verified tokens of `row` (a `ScheduledSeq` with drafts) into its sequence; returns how many."
-    seq, drafts, emitted, accepted = row.seq, row.spec_token_ids, 0, 0
+def verify(self: Speculator, engine, req, row, logits, now) -> list[int]:
+    "Emit the verified tokens of `row` (a `ScheduledSeq` with drafts) into its sequence; returns them."
+    seq, drafts, emitted, accepted = row.seq, row.spec_token_ids, [], 0
     for smp, ok in verify_drafts(logits, drafts, seq, engine.eos_ids):
-        engine._append(req, seq, smp, now); emitted += 1
+        if smp.error: engine._fail(req, ValueError(smp.error)); break    # non-finite logits fail the request alone
+        engine._append(req, seq, smp, now); emitted.append(smp.token_id)
         if seq.is_finished: break              # a stop among the accepted tokens: the rest is dropped
         if ok: seq.num_computed += 1; accepted += 1
     if not seq.is_finished and accepted:
         engine.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
-    self.num_verified += 1; self.num_drafts += len(drafts); self.num_accepted += accepted; self.num_emitted += emitted
+    self.num_verified += 1; self.num_drafts += len(drafts); self.num_accepted += accepted; self.num_emitted += len(emitted)
     self.accepted_per_step[accepted] += 1
     return emitted
