@@ -25,9 +25,11 @@ HELP = {
     "stream_stall_action": "pause: stop computing a stalled request, KV kept, until its client reads; abort: cancel it",
     "chat_template": "a Jinja chat template file, used instead of the model's (tools are passed to it when it renders `tools`)",
     "tool_call_parser": "the tool-call format: hermes (<tool_call> JSON, the default for templates without tool support)",
+    "num_speculative_tokens": "speculative decoding: draft tokens proposed by prompt lookup and verified per step (0: off)",
+    "prompt_lookup_min": "shortest n-gram that proposes drafts", "prompt_lookup_max": "longest n-gram tried first",
 }
 FLAGS = {"num_threads": ["--threads", "--num-threads"], "enable_prefix_caching": ["--no-prefix-caching"]}
-SKIP = {"seed", "cache", "scheduler"}   # the engine seed is not a CLI knob; sub-configs are flattened
+SKIP = {"seed", "cache", "scheduler", "speculative"}   # the engine seed is not a CLI knob; sub-configs are flattened
 SIZES = {"kv_cache_memory", "swap_space", "max_body_bytes"}
 CHOICES = {"attention_backend": ["auto", "cpp", "torch"], "tool_call_parser": ["hermes"], "stream_stall_action": ["pause", "abort"]}
 
@@ -58,13 +60,15 @@ def config_kw(a, cls) -> dict:
     "The options of `cls` given on the command line."
     return {f.name: getattr(a, f.name) for f in dataclasses.fields(cls) if f.name not in SKIP and hasattr(a, f.name)}
 
+def _engine_configs():
+    from llm_engine.config import EngineConfig, CacheConfig, SchedulerConfig, SpeculativeConfig
+    return ((EngineConfig, "engine"), (CacheConfig, "KV cache"), (SchedulerConfig, "scheduler"), (SpeculativeConfig, "speculative decoding"))
+
 def _engine_args(p):
-    from llm_engine.config import EngineConfig, CacheConfig, SchedulerConfig
-    for cls, title in ((EngineConfig, "engine"), (CacheConfig, "KV cache"), (SchedulerConfig, "scheduler")): add_config_args(p, cls, title)
+    for cls, title in _engine_configs(): add_config_args(p, cls, title)
 
 def _engine_kw(a) -> dict:
-    from llm_engine.config import EngineConfig, CacheConfig, SchedulerConfig
-    return {k: v for cls in (EngineConfig, CacheConfig, SchedulerConfig) for k, v in config_kw(a, cls).items()}
+    return {k: v for cls, _ in _engine_configs() for k, v in config_kw(a, cls).items()}
 
 # %% ../nbs/11_cli.ipynb
 def build_parser() -> argparse.ArgumentParser:

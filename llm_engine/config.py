@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, asdict
 from pathlib import Path
 
 # %% auto 0
-__all__ = ['LLAMA_TYPES', 'ModelConfig', 'parse_size', 'CacheConfig', 'SchedulerConfig', 'EngineConfig', 'cache_root',
-           'resolve_device']
+__all__ = ['LLAMA_TYPES', 'ModelConfig', 'parse_size', 'CacheConfig', 'SchedulerConfig', 'SpeculativeConfig', 'EngineConfig',
+           'cache_root', 'resolve_device']
 
 # %% ../nbs/00_config.ipynb
 LLAMA_TYPES = ("llama",)
@@ -126,6 +126,20 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1: raise ValueError("max_num_batched_tokens must be >= 1")
 
 @dataclass
+class SpeculativeConfig:
+    "Speculative decoding by prompt lookup (notebook 08b); off while `num_speculative_tokens` is 0."
+    num_speculative_tokens: int = 0     # draft tokens proposed per step and verified in one forward
+    prompt_lookup_min: int = 2          # shortest suffix n-gram that may propose
+    prompt_lookup_max: int = 4          # longest suffix n-gram tried first
+
+    def __post_init__(self):
+        if self.num_speculative_tokens < 0: raise ValueError("num_speculative_tokens must be >= 0")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+    @property
+    def enabled(self): return self.num_speculative_tokens > 0
+
+@dataclass
 class EngineConfig:
     "Everything an `LLMEngine` needs. `model=None` means the embedded default model."
     model: str|None = None
@@ -141,11 +155,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1      # ranks that split every layer (torch.distributed; chapter 11b)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def create(cls, model=None, **kw) -> EngineConfig:
         "Flat keyword arguments (vLLM style: `block_size=`, `max_num_seqs=`...) sorted into the sub-configs."
-        sub = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+        sub = {"cache": CacheConfig, "scheduler": SchedulerConfig, "speculative": SpeculativeConfig}
         parts = {k: {} for k in sub}
         top = {}
         for k, v in kw.items():

@@ -69,6 +69,10 @@ class LLMEngine:
         if cfg.tensor_parallel_size > 1:     # the forward runs on N ranks instead (chapter 11b explains how)
             from llm_engine.distributed import attach_tensor_parallel
             self.runner = attach_tensor_parallel(self, cfg.tensor_parallel_size)
+        self.speculator = None
+        if cfg.speculative.enabled:      # speculative decoding is its own chapter, after this one (08b)
+            from llm_engine.spec_decode import Speculator
+            self.speculator = Speculator(cfg.speculative)
 
     @property
     def model_name(self): return self.model_path.name
@@ -119,6 +123,7 @@ def abort(self: LLMEngine, request_id) -> RequestOutput|None:
 @patch
 def step(self: LLMEngine) -> list[RequestOutput]:
     "Run one engine step; returns the outputs of every request it touched."
+    if self.speculator is not None: self.speculator.propose(self)   # draft tokens for running decodes (notebook 08b)
     out = self.scheduler.schedule()
     rec = self.tracer.record(out, self.block_manager) if self.tracer else None
     if not out:      # a step that only preempted still has K/V to move
@@ -129,11 +134,13 @@ def step(self: LLMEngine) -> list[RequestOutput]:
         return [self._fail(self.requests[rid], e) for rid in dict.fromkeys(r.request_id for r in out.scheduled) if rid in self.requests]
     self.scheduler.update(out)
     for k, lg in res.row_logits.items(): self._prompt_logprobs(out.scheduled[k], lg)
-    seqs = [out.scheduled[i].seq for i in res.sampled]
-    samples = self._sample(res.logits, seqs) if seqs else []
-    now, touched = time.perf_counter(), {}
-    for k, (seq, smp) in enumerate(zip(seqs, samples)):
-        req = self.requests.get(seq.request_id)
+    rows = [out.scheduled[i] for i in res.sampled]
+    plain = [k for k, r in enumerate(rows) if not r.spec_token_ids]     # rows with drafts are verified below
+    logits = res.logits if len(plain) == len(rows) else res.logits[plain]
+    samples = self._sample(logits, [rows[k].seq for k in plain]) if plain else []
+    now, touched, n_new = time.perf_counter(), {}, len(samples)
+    for k, smp in zip(plain, samples):
+        seq = rows[k].seq; req = self.requests.get(seq.request_id)
         if req is None or seq.is_finished: continue   # failed earlier in this step (another of its n)
         if smp.error:                                 # non-finite logits fail this request alone
             touched[req.request_id] = self._fail(req, ValueError(smp.error)); continue
@@ -141,8 +148,15 @@ def step(self: LLMEngine) -> list[RequestOutput]:
         self._append(req, seq, smp, now)
         touched[req.request_id] = req
         if rec is not None: rec.tokens.setdefault(req.request_id, []).append(smp.token_id)
-    self.num_steps += 1; self.num_generated_tokens += len(samples)
-    self.token_log.append((now, len(samples)))
+    for i in res.sampled:
+        r = out.scheduled[i]
+        if not r.spec_token_ids or r.request_id not in self.requests: continue
+        req = touched[r.request_id] = self.requests[r.request_id]
+        toks = self.speculator.verify(self, req, r, res.row_logits[i], now)
+        n_new += len(toks)
+        if rec is not None: rec.tokens.setdefault(req.request_id, []).extend(toks)
+    self.num_steps += 1; self.num_generated_tokens += n_new
+    self.token_log.append((now, n_new))
     return [r if isinstance(r, RequestOutput) else self._output(r) for r in touched.values()]
 
 @patch

@@ -40,7 +40,12 @@ class ModelRunner:
         mc, dt = model.config, model.embed_tokens.weight.dtype
         self.device = model.embed_tokens.weight.device
         self.model, self.block_size = prepack_linears(model) if prepack else model, block_size
-        self.attention_backend = resolve_attention_backend(attention_backend, dt, self.device)
+        self.attention_fn = None
+        if self.device.type == "cpu": self.attention_backend = resolve_attention_backend(attention_backend, dt, self.device)
+        else:     # another device's attention (Triton paged decode on CUDA): chapter 11a
+            from llm_engine.cuda import select_attention_backend, cuda_paged_attention
+            self.attention_backend = select_attention_backend(self.device, dt, attention_backend)
+            self.attention_fn = cuda_paged_attention
         if self.device.type == "cpu": keep_freed_memory()
         shape = (mc.num_layers, 2, num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dt, device=self.device)
@@ -75,7 +80,8 @@ def prepare(self: ModelRunner, rows: list[ScheduledSeq]) -> StepInputs:
         r = rows[i]; n0, n = r.num_computed, len(r.token_ids)
         ids += r.token_ids; pos += range(n0, n0 + n)
         qlens.append(n); clens.append(n0 + n); tables.append(r.block_table)
-    md = AttentionMetadata.build(qlens, clens, tables, self.block_size, device=self.device, decode_backend=self.attention_backend)
+    md = AttentionMetadata.build(qlens, clens, tables, self.block_size, device=self.device, decode_backend=self.attention_backend,
+                                 attention=self.attention_fn)
     ends = list(accumulate(qlens))                # end of each row, in batch order
     where = [0] * len(rows)
     for rank, i in enumerate(order): where[i] = ends[rank] - 1

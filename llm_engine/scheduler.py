@@ -30,6 +30,7 @@ class Sequence:
         self.first_scheduled_time = self.first_token_time = self.last_token_time = None
         self.num_cached_tokens = 0
         self.paused = False     # its reader is not keeping up: keep its KV, compute nothing (engine's async front)
+        self.spec_token_ids = []     # draft tokens proposed for the next step (notebook 08b); the scheduler takes them
         self.output_text, self.logprobs, self.cumulative_logprob = "", [], 0.0
         self.matcher = None   # its grammar's state when the request has structured outputs (set by the engine)
     @property
@@ -57,7 +58,8 @@ class ScheduledSeq:
     block_table: list       # physical block of each logical block
     do_sample: bool         # the row reaches the sequence's last token: its logits are sampled
     seq: Sequence|None = field(default=None, repr=False, compare=False)   # for the engine; the runner never reads it
-    all_logits: bool = False  # also return the logits of every position of the row (prompt logprobs)
+    all_logits: bool = False  # also return the logits of every position of the row (prompt logprobs, draft tokens)
+    spec_token_ids: list = field(default_factory=list)   # draft tokens appended to `token_ids`, to verify (notebook 08b)
 
 @dataclass
 class Decision:
@@ -121,16 +123,17 @@ def _preempt(self: Scheduler, out: SchedulerOutput, seq: Sequence, why: str):
         self.bm.free(seq.seq_id); seq.num_computed = 0; self.add(seq)
 
 @patch
-def _add_row(self: Scheduler, out: SchedulerOutput, seq: Sequence, n: int, action=None, note=""):
-    "Schedule `n` tokens of `seq` (its slots are already allocated)."
-    c, total = seq.num_computed, seq.num_tokens
+def _add_row(self: Scheduler, out: SchedulerOutput, seq: Sequence, n: int, action=None, note="", spec=()):
+    "Schedule `n` tokens of `seq`, then the draft tokens `spec` (their slots are already allocated)."
+    c, total, spec = seq.num_computed, seq.num_tokens, list(spec)
     wants_prompt = getattr(seq.params, "prompt_logprobs", None) is not None and c < seq.num_prompt_tokens
-    out.scheduled.append(ScheduledSeq(seq.seq_id, seq.request_id, seq.token_ids[c:c + n], c,
-                                      list(self.bm.block_table(seq.seq_id)), c + n == total, seq, wants_prompt))
+    out.scheduled.append(ScheduledSeq(seq.seq_id, seq.request_id, seq.token_ids[c:c + n] + spec, c,
+                                      list(self.bm.block_table(seq.seq_id)), c + n == total, seq, wants_prompt or bool(spec), spec))
     chunk = f"prefill chunked: {c + n} of {total} tokens" if c + n < total else ""
     if action is None:
         action = "chunked" if chunk else "scheduled"
-        note = chunk or ("decode" if n == 1 and c >= seq.num_prompt_tokens else f"prefill: {n} tokens ({c + n} of {total})")
+        note = chunk or ("decode" + (f" + {len(spec)} draft tokens" if spec else "") if n == 1 and c >= seq.num_prompt_tokens
+                         else f"prefill: {n} tokens ({c + n} of {total})")
     else: note = "; ".join(x for x in (note, chunk) if x)
     self._decide(out, seq, action, note)
 
@@ -153,6 +156,15 @@ def _make_room(self: Scheduler, out: SchedulerOutput, seq: Sequence, n: int, que
     return True
 
 @patch
+def _take_drafts(self: Scheduler, seq: Sequence, n: int, budget: int) -> list:
+    "The draft tokens proposed for `seq` that fit the budget left and the free blocks; never preempts for them."
+    drafts, seq.spec_token_ids = seq.spec_token_ids, []
+    if not drafts or seq.num_computed + n != seq.num_tokens: return []    # only a row that reaches the last token
+    drafts = drafts[:max(0, budget)]
+    while drafts and not self.bm.can_append(seq.seq_id, seq.num_computed, seq.num_tokens + len(drafts)): drafts.pop()
+    return drafts
+
+@patch
 def _schedule_running(self: Scheduler, out: SchedulerOutput, budget: int) -> int:
     "Decodes first, then unfinished prefills, each in priority order; returns the budget left."
     queue = sorted(self.running, key=lambda s: (s.remaining > 1, s.sort_key))
@@ -165,8 +177,9 @@ def _schedule_running(self: Scheduler, out: SchedulerOutput, budget: int) -> int
         if n == 0:
             kept.append(seq); self._decide(out, seq, "waited", self._budget_note(budget)); continue
         if self._make_room(out, seq, n, queue):
-            self.bm.append_slots(seq.seq_id, seq.num_computed, seq.num_computed + n)
-            self._add_row(out, seq, n); budget -= n; kept.append(seq)
+            spec = self._take_drafts(seq, n, budget - n)
+            self.bm.append_slots(seq.seq_id, seq.num_computed, seq.num_computed + n + len(spec))
+            self._add_row(out, seq, n, spec=spec); budget -= n + len(spec); kept.append(seq)
     self.running = kept
     return budget
 
@@ -235,7 +248,7 @@ def schedule(self: Scheduler) -> SchedulerOutput:
     ops = self.bm.take_ops()
     out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy = ops.swap_out, ops.swap_in, ops.copy
     if self.history is not None:
-        self.history.append([(r.seq_id, "decode" if len(r.token_ids) == 1 and r.num_computed >= r.seq.num_prompt_tokens
+        self.history.append([(r.seq_id, "decode" if len(r.token_ids) == 1 + len(r.spec_token_ids) and r.num_computed >= r.seq.num_prompt_tokens
                               else "prefill", len(r.token_ids)) for r in out.scheduled]
                             + [(s.seq_id, "preempted", 0) for s in out.preempted])
     return out
@@ -247,7 +260,7 @@ def update(self: Scheduler, out: SchedulerOutput):
     for r in out.scheduled:
         seq = r.seq
         if seq.is_finished: continue
-        seq.num_computed += len(r.token_ids)
+        seq.num_computed += len(r.token_ids) - len(r.spec_token_ids)   # drafts count once accepted (notebook 08b)
         self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
 
 @patch

@@ -240,3 +240,22 @@ def test_graph_capture_and_replay_equal_eager():
             kv.copy_(saved)
             with torch.inference_mode(): want = tiny.compute_logits(tiny(ids, pos, md, caches))
             torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+def test_runner_hands_attention_to_the_cuda_path_through_the_metadata():
+    "The runner's `attention_fn` (set on a GPU) reaches `paged_attention` via `AttentionMetadata.attention`; on CPU with the reference kernel the logits equal the CPU path's."
+    import tempfile
+    from llm_engine.testing import make_tiny_model
+    from llm_engine.model import load_model
+    from llm_engine.runner import ModelRunner
+    from llm_engine.cuda import cuda_paged_attention
+    m, _ = load_model(make_tiny_model(tempfile.mkdtemp()))
+    work = [([5, 6, 7, 8, 9], 0, [0]), ([3, 4], 0, [1])]
+    base = ModelRunner(m, 8, 8, attention_backend="torch")
+    ref = base.run(work)
+    r = ModelRunner(m, 8, 8, attention_backend="torch")
+    calls = []
+    def spy(*a): calls.append(a[3].decode_backend); return cuda_paged_attention(*a)
+    r.attention_fn, r.attention_backend = spy, "reference"
+    torch.testing.assert_close(r.run(work), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(r.run([([10], 5, [0]), ([11], 2, [1])]), base.run([([10], 5, [0]), ([11], 2, [1])]), atol=1e-5, rtol=1e-5)
+    assert calls and set(calls) == {"reference"}
