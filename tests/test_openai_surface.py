@@ -2,7 +2,6 @@
 import asyncio, json, socket, time
 import httpx, openai, pytest
 from conftest import Server
-from llm_engine.api import ENGINE_HAS_PROMPT_LOGPROBS
 
 MSG = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 
@@ -205,7 +204,6 @@ def test_unsupported_fields_refused(small):
     assert error_of(post(small, "/v1/completions", {"prompt": "x", "suffix": "y"}), 400)["param"] == "suffix"
     assert post(small, "/v1/chat/completions", {"messages": MSG, "response_format": {"type": "text"}, "max_tokens": 1}).status_code == 200
 
-@pytest.mark.skipif(not ENGINE_HAS_PROMPT_LOGPROBS, reason="the engine does not fill RequestOutput.prompt_logprobs yet")
 def test_prompt_logprobs_and_echo(client, server):
     mid = client.models.list().data[0].id
     r = client.completions.create(model=mid, prompt="The capital of France is", max_tokens=3, temperature=0, logprobs=1, echo=True)
@@ -217,11 +215,6 @@ def test_prompt_logprobs_and_echo(client, server):
     assert sum((p.tokens for p in streamed), []) == lp.tokens and sum((p.text_offset for p in streamed), []) == lp.text_offset
     v = post(server, "/v1/completions", {"prompt": "Hello there", "max_tokens": 1, "prompt_logprobs": 1}).json()["choices"][0]["prompt_logprobs"]
     assert v[0] is None and all(isinstance(d, dict) and d for d in v[1:])
-
-@pytest.mark.skipif(ENGINE_HAS_PROMPT_LOGPROBS, reason="the engine computes prompt logprobs: test_prompt_logprobs_and_echo covers them")
-def test_prompt_logprobs_refused_until_engine_has_them(small):
-    assert error_of(post(small, "/v1/completions", {"prompt": "x", "prompt_logprobs": 1}), 400)["param"] == "prompt_logprobs"
-    assert error_of(post(small, "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}), 400)["param"] == "echo"
 
 # ---- CORS, API key, connections (issue 13 and 16)
 

@@ -34,7 +34,10 @@ def reading_order(prefixes=()) -> list:
 def execute(path: Path, skip: set) -> float:
     nb = read_nb(path)
     def no_eval(cell):
-        return (cell.cell_type != "code" or "nbdev_export(" in cell.source or bool(cell_flags(cell.source) & skip))
+        flags = cell_flags(cell.source)
+        # `eval: false` cells are not meant to run in a kernel (the CLI's `__main__` guard would exit it)
+        return (cell.cell_type != "code" or "nbdev_export(" in cell.source or bool(flags & skip)
+                or {"eval:", "false"} <= flags)
     shell, start = CaptureShell(path, mpl_format="png"), time.time()
     shell._fname = path     # prettytb names the notebook in a failure
     cwd = os.getcwd(); os.chdir(path.parent)
