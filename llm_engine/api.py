@@ -18,15 +18,15 @@ from .protocol import *
 from .tool_parsers import render_tool_messages, parse_tool_calls, ToolCallStreamParser
 
 # %% auto 0
-__all__ = ['log', 'PROTECTED', 'ENGINE_HAS_PROMPT_LOGPROBS', 'router', 'TOOL_CALL_PARSERS', 'SEND_BUFFER', 'ServerConfig',
-           'clean_model_name', 'model_aliases', 'ServerContext', 'Guard', 'error_json', 'render_chat', 'chat_messages',
-           'chat_prompt_ids', 'tools_active', 'completion_prompt_ids', 'prepare', 'start', 'start_all', 'ClientGone',
-           'until_done', 'tok_str', 'chat_logprobs', 'completion_logprobs', 'join_logprobs', 'prompt_logprobs_json',
-           'usage', 'finish_reason', 'sse', 'sse_error', 'Cursor', 'chat_chunk', 'chat_stream', 'chat_chunks', 'merge',
-           'EventStream', 'completion_chunk', 'completion_stream', 'echo_text', 'echo_logprobs',
-           'needs_prompt_logprobs', 'chat_completions', 'chat_response', 'completions', 'completion_choice', 'tokenize',
-           'detokenize', 'health', 'models', 'stats', 'metrics', 'debug_trace', 'load_chat_template',
-           'check_tool_call_parser', 'build_app', 'raise_open_file_limit', 'listen_socket', 'serve']
+__all__ = ['log', 'PROTECTED', 'router', 'TOOL_CALL_PARSERS', 'SEND_BUFFER', 'ServerConfig', 'clean_model_name', 'model_aliases',
+           'ServerContext', 'Guard', 'error_json', 'render_chat', 'chat_messages', 'chat_prompt_ids', 'tools_active',
+           'completion_prompt_ids', 'prepare', 'start', 'start_all', 'ClientGone', 'until_done', 'tok_str',
+           'chat_logprobs', 'completion_logprobs', 'join_logprobs', 'prompt_logprobs_json', 'usage', 'finish_reason',
+           'sse', 'sse_error', 'Cursor', 'chat_chunk', 'chat_stream', 'chat_chunks', 'merge', 'EventStream',
+           'completion_chunk', 'completion_stream', 'echo_text', 'echo_logprobs', 'needs_prompt_logprobs',
+           'chat_completions', 'chat_response', 'completions', 'completion_choice', 'tokenize', 'detokenize', 'health',
+           'models', 'stats', 'metrics', 'debug_trace', 'load_chat_template', 'check_tool_call_parser', 'build_app',
+           'raise_open_file_limit', 'listen_socket', 'serve']
 
 # %% ../nbs/10_api.ipynb
 log = logging.getLogger("llm_engine.api")
@@ -183,8 +183,6 @@ def prepare(ctx: ServerContext, req, ids, params, param):
     return ids, fit_to_context(params, len(ids), ctx.engine.max_model_len, ctx.kv_tokens, param)
 
 # %% ../nbs/10_api.ipynb
-ENGINE_HAS_PROMPT_LOGPROBS = "prompt_logprobs" in RequestOutput.__dataclass_fields__
-
 async def start(ctx: ServerContext, ids, params, priority, param, request_id=None):
     "Open an engine stream; returns `(first_output, generator)`."
     if params.structured_outputs is not None:   # compiled (or found cached) off the event loop and outside the engine's lock
@@ -255,7 +253,7 @@ def join_logprobs(a: dict|None, b: dict) -> dict:
 # %% ../nbs/10_api.ipynb
 def prompt_logprobs_json(tok, o) -> list|None:
     "vLLM's `prompt_logprobs`: per prompt token null (the first) or `{token_id: {logprob, decoded_token}}`."
-    plp = getattr(o, "prompt_logprobs", None)
+    plp = o.prompt_logprobs
     if plp is None: return None
     return [None if d is None else {str(k): {"logprob": v, "decoded_token": tok.decode([k])} for k, v in d.items()} for d in plp]
 
@@ -402,7 +400,7 @@ async def completion_stream(ctx, req, head: dict, started):
 def echo_text(ctx, o) -> str: return ctx.tok.decode(o.prompt_token_ids)
 
 def echo_logprobs(ctx, req, o) -> dict|None:
-    if req.logprobs is None or getattr(o, "prompt_logprobs", None) is None: return None
+    if req.logprobs is None or o.prompt_logprobs is None: return None
     return completion_logprobs(ctx.tok, o.prompt_token_ids, o.prompt_logprobs, 0, req.return_tokens_as_token_ids)
 
 def needs_prompt_logprobs(req) -> int|None:
@@ -410,8 +408,6 @@ def needs_prompt_logprobs(req) -> int|None:
     n = req.prompt_logprobs
     if getattr(req, "echo", False) and req.logprobs is not None: n = max(n or 0, req.logprobs)
     if req.prompt_logprobs is not None and req.stream: raise bad_request("prompt_logprobs", "prompt_logprobs is not supported with stream")
-    if n is not None and not ENGINE_HAS_PROMPT_LOGPROBS:
-        raise bad_request("prompt_logprobs" if req.prompt_logprobs is not None else "echo", "prompt logprobs are not supported by this engine yet")
     return n
 
 # %% ../nbs/10_api.ipynb

@@ -300,20 +300,21 @@ class _Stream:
 
 # %% ../nbs/08_engine.ipynb
 @patch
-def pause(self: LLMEngine, request_id) -> bool:
-    "Stop computing a request's sequences until `resume` (they keep their KV blocks); False if it is not in flight."
+def _set_paused(self: LLMEngine, request_id, paused: bool) -> bool:
     req = self.requests.get(request_id)
     if req is None: return False
-    for s in req.seqs: s.paused = True
+    for s in req.seqs: s.paused = paused
     return True
+
+@patch
+def pause(self: LLMEngine, request_id) -> bool:
+    "Stop computing a request's sequences until `resume` (they keep their KV blocks); False if it is not in flight."
+    return self._set_paused(request_id, True)
 
 @patch
 def resume(self: LLMEngine, request_id) -> bool:
     "Schedule a paused request's sequences again."
-    req = self.requests.get(request_id)
-    if req is None: return False
-    for s in req.seqs: s.paused = False
-    return True
+    return self._set_paused(request_id, False)
 
 # %% ../nbs/08_engine.ipynb
 class AsyncLLMEngine:

@@ -74,7 +74,7 @@ class Tracer:
 def record(self: Tracer, out, bm=None, tokens: dict|None = None) -> StepRecord:
     "Keep one step: `out` is the scheduler's `SchedulerOutput`; `tokens` (request id -> sampled ids) may be added later."
     batch = [[r.seq_id, r.request_id, len(r.token_ids), r.do_sample] for r in out.scheduled]
-    rec = StepRecord(out.step, time.time(), batch, [asdict(d) for d in out.decisions], dict(tokens or {}),
+    rec = StepRecord(out.step, time.time(), batch, [dict(vars(d)) for d in out.decisions], dict(tokens or {}),   # flat: no deep asdict per step
                      bm.num_free_blocks if bm is not None else -1,
                      snapshot_blocks(bm) if bm is not None and self.record_blocks else None)
     self.steps.append(rec)
