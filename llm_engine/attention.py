@@ -14,8 +14,8 @@ import llm_engine
 from .config import cache_root
 
 # %% auto 0
-__all__ = ['DECODE_KERNEL_PATH', 'DECODE_KERNEL_SRC', 'plot_block_tables', 'AttentionMetadata', 'store_kv', 'paged_attention',
-           'decode_attention', 'load_decode_kernel', 'resolve_attention_backend']
+__all__ = ['DECODE_KERNEL_PATH', 'DECODE_KERNEL_SRC', 'KERNEL_DTYPES', 'plot_block_tables', 'AttentionMetadata', 'store_kv',
+           'paged_attention', 'decode_attention', 'load_decode_kernel', 'resolve_attention_backend']
 
 # %% ../nbs/03_paged_attention.ipynb
 def plot_block_tables(tables: dict, num_blocks: int, cols=4, ax=None):
@@ -164,11 +164,13 @@ def load_decode_kernel() -> str|None:
     except Exception as e: return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
     return None
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)   # bf16 K/V are widened to fp32 in registers: the arithmetic is fp32
+
 def resolve_attention_backend(backend="auto", dtype=torch.float32, device="cpu") -> str:
     "`auto`: the C++ kernel where it applies and compiles, else the torch path; `cpp` insists; `torch` never compiles."
     if backend not in ("auto", "cpp", "torch"): raise ValueError(f"attention_backend must be auto, cpp or torch, not {backend!r}")
     if backend == "torch": return "torch"
-    why = (f"it needs fp32 on the CPU, not {dtype} on {device}" if (dtype != torch.float32 or str(device) != "cpu")
+    why = (f"it needs fp32 or bf16 on the CPU, not {dtype} on {device}" if (dtype not in KERNEL_DTYPES or str(device) != "cpu")
            else load_decode_kernel())
     if why is None: return "cpp"
     if backend == "cpp": raise RuntimeError(f"The C++ decode kernel is unavailable: {why}")

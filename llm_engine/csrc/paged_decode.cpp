@@ -7,39 +7,46 @@
 #include <cmath>
 #include <vector>
 
-// one sequence: scores, softmax, weighted values. DC: head_dim known at compile time (0: use D)
-template <int DC>
-static void decode_one(float* ob, const float* qb, const float* kp, const float* vp, const int64_t* table, int64_t L,
+// one sequence: scores, softmax, weighted values. T: the cache's element type (float or BFloat16; bf16 is widened to
+// fp32 in registers, so the arithmetic is fp32 either way). DC: head_dim known at compile time (0: use D)
+template <typename T, int DC>
+static void decode_one(T* ob_t, const T* qb_t, const T* kp, const T* vp, const int64_t* table, int64_t L,
                        int64_t H, int64_t G, int64_t Dr, int64_t bs, int64_t kb, int64_t kt, int64_t kh,
-                       int64_t vb, int64_t vt, int64_t vh, float sc, std::vector<float>& s) {
+                       int64_t vb, int64_t vt, int64_t vh, float sc, std::vector<float>& s, std::vector<float>& qo) {
   const int64_t D = DC ? DC : Dr, nblk = (L + bs - 1) / bs;
   // blocks lie anywhere in the pool, which defeats the hardware prefetcher: ask for the next ones ourselves
-  auto prefetch = [&](const float* base, int64_t stride, int64_t i) {
+  auto prefetch = [&](const T* base, int64_t stride, int64_t i) {
     if (i >= nblk) return;
     const char* p = (const char*)(base + table[i] * stride);
-    for (int64_t off = 0; off < bs * kt * (int64_t)sizeof(float); off += 64) __builtin_prefetch(p + off);
+    for (int64_t off = 0; off < bs * kt * (int64_t)sizeof(T); off += 64) __builtin_prefetch(p + off);
   };
-  s.resize(H * L);
+  s.resize(H * L); qo.resize(2 * H * D);
+  float* qb = qo.data(); float* ob = qb + H * D;    // the query and the output row in fp32
+  for (int64_t i = 0; i < H * D; ++i) qb[i] = static_cast<float>(qb_t[i]);
   prefetch(kp, kb, 0); prefetch(kp, kb, 1);
   for (int64_t i = 0; i < nblk; ++i) {            // scores: every head against each key row of block i
     prefetch(kp, kb, i + 2);
-    const float* blk = kp + table[i] * kb;
+    const T* blk = kp + table[i] * kb;
     const int64_t l0 = i * bs, n = std::min(bs, L - l0);
     for (int64_t h = 0; h < H; ++h) {
-      const float* qh = qb + h * D; const float* kk = blk + (h / G) * kh;
+      const float* qh = qb + h * D; const T* kk = blk + (h / G) * kh;
       int64_t t = 0;
       for (; t + 4 <= n; t += 4) {               // four independent dot products at a time
         float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-        const float *k0 = kk + t * kt, *k1 = k0 + kt, *k2 = k1 + kt, *k3 = k2 + kt;
+        const T *k0 = kk + t * kt, *k1 = k0 + kt, *k2 = k1 + kt, *k3 = k2 + kt;
         #pragma omp simd reduction(+:a0,a1,a2,a3)
-        for (int64_t d = 0; d < D; ++d) { const float x = qh[d]; a0 += x * k0[d]; a1 += x * k1[d]; a2 += x * k2[d]; a3 += x * k3[d]; }
+        for (int64_t d = 0; d < D; ++d) {
+          const float x = qh[d];
+          a0 += x * static_cast<float>(k0[d]); a1 += x * static_cast<float>(k1[d]);
+          a2 += x * static_cast<float>(k2[d]); a3 += x * static_cast<float>(k3[d]);
+        }
         float* sh = s.data() + h * L + l0 + t;
         sh[0] = a0 * sc; sh[1] = a1 * sc; sh[2] = a2 * sc; sh[3] = a3 * sc;
       }
       for (; t < n; ++t) {
-        float a = 0.f; const float* k0 = kk + t * kt;
+        float a = 0.f; const T* k0 = kk + t * kt;
         #pragma omp simd reduction(+:a)
-        for (int64_t d = 0; d < D; ++d) a += qh[d] * k0[d];
+        for (int64_t d = 0; d < D; ++d) a += qh[d] * static_cast<float>(k0[d]);
         s[h * L + l0 + t] = a * sc;
       }
     }
@@ -56,48 +63,57 @@ static void decode_one(float* ob, const float* qb, const float* kp, const float*
   prefetch(vp, vb, 0); prefetch(vp, vb, 1);
   for (int64_t i = 0; i < nblk; ++i) {
     prefetch(vp, vb, i + 2);
-    const float* blk = vp + table[i] * vb;
+    const T* blk = vp + table[i] * vb;
     const int64_t l0 = i * bs, n = std::min(bs, L - l0);
     for (int64_t h = 0; h < H; ++h) {
       float acc[DC ? DC : 1024];                  // this head's output row, kept in registers when DC is known
-      float* o = ob + h * D; const float* vv = blk + (h / G) * vh; const float* p = s.data() + h * L + l0;
+      float* o = ob + h * D; const T* vv = blk + (h / G) * vh; const float* p = s.data() + h * L + l0;
       for (int64_t d = 0; d < D; ++d) acc[d] = o[d];
       for (int64_t t = 0; t < n; ++t) {
-        const float w = p[t]; const float* vt_ = vv + t * vt;
+        const float w = p[t]; const T* vt_ = vv + t * vt;
         #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[d] += w * vt_[d];
+        for (int64_t d = 0; d < D; ++d) acc[d] += w * static_cast<float>(vt_[d]);
       }
       for (int64_t d = 0; d < D; ++d) o[d] = acc[d];
     }
   }
+  for (int64_t i = 0; i < H * D; ++i) ob_t[i] = static_cast<T>(ob[i]);
+}
+
+template <typename T>
+static void decode_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const int64_t* btp, const int64_t* clp, int64_t W, float sc) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), bs = k_cache.size(1), G = H / k_cache.size(2);
+  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
+  const T *qp = q.data_ptr<T>(), *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t NT = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B));
+  auto one = D == 64 ? decode_one<T, 64> : D == 128 ? decode_one<T, 128> : decode_one<T, 0>;
+  at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> s, qo;
+    for (int64_t tid = t0; tid < t1; ++tid)
+      for (int64_t b = tid; b < B; b += NT)          // round robin, as rows arrive sorted by length
+        one(op + b * H * D, qp + b * H * D, kp, vp, btp + b * W, clp[b], H, G, D, bs, kb, kt, kh, vb, vt, vh, sc, s, qo);
+  });
 }
 
 // out[b, h] = softmax(scale * q[b, h] . K_b) V_b, where K_b, V_b are read in place through block_tables[b]
 static void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && q.sizes() == out.sizes(), "q, out: contiguous [B, H, D]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat, "fp32 only");
+  const auto st = q.scalar_type();
+  TORCH_CHECK((st == at::kFloat || st == at::kBFloat16) && k_cache.scalar_type() == st && v_cache.scalar_type() == st &&
+              out.scalar_type() == st, "q, out and the caches: all fp32 or all bf16");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && k_cache.size(3) == q.size(2), "caches: [blocks, block_size, kv_heads, D]");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables and lengths");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), bs = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(H % KVH == 0 && block_tables.size(0) == B && context_lens.size(0) == B && D <= 1024, "shapes disagree");
-  const int64_t G = H / KVH;
-  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
-  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
   auto bt = block_tables.contiguous(); auto cl = context_lens.contiguous();
   const int64_t *btp = bt.data_ptr<int64_t>(), *clp = cl.data_ptr<int64_t>(), W = bt.size(1);
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(clp[b] >= 1 && clp[b] <= W * bs, "context length outside its block table");
-  const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float sc = (float)scale;
-  const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B));
-  auto one = D == 64 ? decode_one<64> : D == 128 ? decode_one<128> : decode_one<0>;
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> s;
-    for (int64_t tid = t0; tid < t1; ++tid)
-      for (int64_t b = tid; b < B; b += T)          // round robin, as rows arrive sorted by length
-        one(op + b * H * D, qp + b * H * D, kp, vp, btp + b * W, clp[b], H, G, D, bs, kb, kt, kh, vb, vt, vh, sc, s);
-  });
+  if (st == at::kFloat) decode_all<float>(out, q, k_cache, v_cache, btp, clp, W, (float)scale);
+  else decode_all<at::BFloat16>(out, q, k_cache, v_cache, btp, clp, W, (float)scale);
 }
 
 TORCH_LIBRARY(llm_engine, m) {
