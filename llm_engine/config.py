@@ -9,8 +9,9 @@ from dataclasses import dataclass, field, asdict
 from pathlib import Path
 
 # %% auto 0
-__all__ = ['LLAMA_TYPES', 'ModelConfig', 'parse_size', 'CacheConfig', 'SchedulerConfig', 'SpeculativeConfig', 'EngineConfig',
-           'cache_root', 'resolve_device']
+__all__ = ['LLAMA_TYPES', 'DTYPES', 'QUANTIZATIONS', 'BF16_CPU_FLAGS', 'ModelConfig', 'parse_size', 'CacheConfig',
+           'SchedulerConfig', 'SpeculativeConfig', 'EngineConfig', 'cache_root', 'resolve_device', 'read_cpu_flags',
+           'resolve_dtype']
 
 # %% ../nbs/00_config.ipynb
 LLAMA_TYPES = ("llama",)
@@ -139,11 +140,15 @@ class SpeculativeConfig:
     @property
     def enabled(self): return self.num_speculative_tokens > 0
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8",)
+
 @dataclass
 class EngineConfig:
     "Everything an `LLMEngine` needs. `model=None` means the embedded default model."
     model: str|None = None
-    dtype: str = "float32"
+    dtype: str = "auto"                # "auto" (resolve_dtype: bfloat16 on CUDA and bf16-capable CPUs, else float32), "float32", "bfloat16", "float16"
+    quantization: str|None = None      # None, or "int8": int8 weights with one scale per output channel (notebook 05b)
     seed: int = 0
     num_threads: int|None = None
     attention_backend: str = "auto"    # decode attention: "cpp" (in-place C++ kernel), "torch" (gather + SDPA), or "auto"
@@ -156,6 +161,13 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES: raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or None), not {self.quantization!r}")
+        if self.quantization and self.tensor_parallel_size > 1:
+            raise ValueError("quantization is not available with tensor_parallel_size > 1: each rank loads the unquantized weights")
 
     @classmethod
     def create(cls, model=None, **kw) -> EngineConfig:
@@ -188,3 +200,22 @@ def resolve_device(device: str = "auto") -> str:
     if kind == "cuda" and not torch.cuda.is_available(): raise ValueError(f"device {device!r} asked for, but CUDA is not available")
     if kind == "mps" and not torch.backends.mps.is_available(): raise ValueError("device 'mps' asked for, but MPS is not available")
     return str(device)
+
+# %% ../nbs/00_config.ipynb
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+def read_cpu_flags(cpuinfo="/proc/cpuinfo") -> frozenset:
+    "The CPU's feature flags as Linux lists them in `/proc/cpuinfo`; empty where there is no such file."
+    try: text = Path(cpuinfo).read_text()
+    except OSError: return frozenset()
+    return frozenset(next((l for l in text.splitlines() if l.startswith("flags")), "").partition(":")[2].split())
+
+def resolve_dtype(dtype: str = "auto", device: str = "cpu", cpu_flags=None) -> str:
+    "The dtype to run in: `auto` is bfloat16 on CUDA and on CPUs with bf16 instructions, float32 elsewhere."
+    if dtype not in DTYPES: raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if dtype != "auto": return dtype
+    kind = str(device).split(":")[0]
+    if kind == "cuda": return "bfloat16"
+    if kind != "cpu": return "float32"
+    flags = read_cpu_flags() if cpu_flags is None else frozenset(cpu_flags)
+    return "bfloat16" if flags & set(BF16_CPU_FLAGS) else "float32"

@@ -6,10 +6,10 @@
 from __future__ import annotations
 import asyncio, itertools, threading, time, uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 import torch
 from fastcore.basics import patch
-from .config import EngineConfig, resolve_device
+from .config import EngineConfig, resolve_device, resolve_dtype
 from .model import load_model, load_tokenizer
 from .runner import ModelRunner
 from .block_manager import BlockManager
@@ -46,8 +46,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig|None = None, **kw):
         self.config = cfg = config or EngineConfig.create(**kw)
         if cfg.num_threads: torch.set_num_threads(cfg.num_threads)
-        dtype = getattr(torch, cfg.dtype)
-        self.model, self.model_path = load_model(cfg.model, dtype, resolve_device(cfg.device))
+        device = resolve_device(cfg.device)
+        # "auto" becomes the dtype in force (notebook 05b), so whoever reads the config later sees that one
+        self.config = cfg = replace(cfg, dtype=resolve_dtype(cfg.dtype, device))
+        dtype = getattr(torch, cfg.dtype)      # of the weights' activations and of the KV cache, sized below by its bytes
+        self.model, self.model_path = load_model(cfg.model, dtype, device, cfg.quantization)
         self.tokenizer = load_tokenizer(self.model_path)
         mc, nbytes = self.model.config, torch.finfo(dtype).bits // 8
         num_blocks = cfg.cache.resolve_num_blocks(mc, nbytes)

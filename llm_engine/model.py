@@ -253,15 +253,19 @@ def cached_conversion(gguf: Path, out: Path) -> Path:
             shutil.rmtree(out)
         return convert_gguf(gguf, out)
 
-def load_model(model=None, dtype=torch.float32, device="cpu") -> tuple[Llama, Path]:
-    "Our `Llama` with weights loaded on `device`, and the folder it came from."
+def load_model(model=None, dtype=torch.float32, device="cpu", quantization=None) -> tuple[Llama, Path]:
+    "Our `Llama` with weights loaded on `device` (linears quantized if asked: notebook 05b), and the folder it came from."
     path = resolve_model(model)
     mc = ModelConfig.from_pretrained(path)
     with torch.device("meta"): m = Llama(mc)
     m = m.to_empty(device=device)     # weights are copied straight from the file into device memory
     m.rope = RotaryEmbedding(mc.head_dim, mc.max_position_embeddings, mc.rope_theta, mc.rope_scaling).to(device)
     if mc.tie_word_embeddings: m.lm_head.weight = m.embed_tokens.weight
-    return load_weights(m, path).to(dtype).eval(), path
+    m = load_weights(m, path)
+    if quantization is not None:     # from the fp32 weights, before the cast (notebook 05b)
+        from llm_engine.precision import quantize_linears
+        quantize_linears(m, quantization)
+    return m.to(dtype).eval(), path
 
 def load_tokenizer(path):
     from transformers import AutoTokenizer
@@ -269,7 +273,7 @@ def load_tokenizer(path):
 
 # %% ../nbs/05_model.ipynb
 class PackedLinear(nn.Module):
-    "A bias-optional linear layer whose weight is pre-reordered for oneDNN (CPU, fp32)."
+    "A bias-optional linear layer whose weight is pre-reordered for oneDNN (CPU, fp32 or bf16)."
     def __init__(self, lin: nn.Linear, batch_hint=32):
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
@@ -280,9 +284,10 @@ class PackedLinear(nn.Module):
 def _packed_or_none(lin: nn.Linear):
     try:
         p = PackedLinear(lin)
-        x = torch.randn(3, lin.in_features)
-        with torch.no_grad(): ok = torch.allclose(p(x), F.linear(x, lin.weight, lin.bias), rtol=1e-4, atol=1e-4)
-        return p if ok else None
+        x = torch.randn(3, lin.in_features, dtype=lin.weight.dtype)
+        with torch.no_grad(): got, want = p(x).float(), F.linear(x, lin.weight, lin.bias).float()
+        tol = 1e-4 if lin.weight.dtype == torch.float32 else 1e-2     # bf16 results are rounded to 8 mantissa bits
+        return p if (got - want).abs().max() <= tol * max(1.0, want.abs().max().item()) else None
     except (RuntimeError, AttributeError): return None
 
 def bound_onednn_caches(capacity=256) -> int:
@@ -291,12 +296,13 @@ def bound_onednn_caches(capacity=256) -> int:
     return int(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"])
 
 def prepack_linears(model: nn.Module) -> nn.Module:
-    "Replace every fp32 CPU `nn.Linear` by a `PackedLinear` where oneDNN is available (idempotent)."
+    "Replace every fp32 (or bf16, where oneDNN has bf16) CPU `nn.Linear` by a `PackedLinear` (idempotent)."
     if not torch.backends.mkldnn.is_available(): return model
     bound_onednn_caches()
+    dtypes = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
     for mod in list(model.modules()):
         for cname, child in list(mod.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+            if type(child) is nn.Linear and child.weight.dtype in dtypes and child.weight.device.type == "cpu":
                 p = _packed_or_none(child)
                 if p is not None: setattr(mod, cname, p)
     return model
