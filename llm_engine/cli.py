@@ -5,6 +5,7 @@
 # %% ../nbs/11_cli.ipynb 3
 from __future__ import annotations
 import argparse, dataclasses, os, sys
+from .config import DTYPES, QUANTIZATIONS
 
 # %% auto 0
 __all__ = ['HELP', 'FLAGS', 'SKIP', 'SIZES', 'CHOICES', 'add_config_args', 'config_kw', 'build_parser', 'main']
@@ -12,7 +13,9 @@ __all__ = ['HELP', 'FLAGS', 'SKIP', 'SIZES', 'CHOICES', 'add_config_args', 'conf
 # %% ../nbs/11_cli.ipynb
 HELP = {
     "model": "model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
-    "dtype": "weights and KV cache dtype", "num_threads": "torch intra-op threads",
+    "dtype": "weights, activations and KV cache: auto is bfloat16 on CUDA and on CPUs with AVX512_BF16/AMX, else float32",
+    "quantization": "int8: int8 weights with one scale per output channel, bf16 activations (notebook 05b)",
+    "num_threads": "torch intra-op threads",
     "attention_backend": "decode attention: C++ kernel over the paged cache (cpp), PyTorch gather + SDPA (torch), or auto",
     "num_blocks": "KV cache size in blocks (wins over --kv-cache-memory)", "kv_cache_memory": "KV cache size, e.g. 512MiB or 2GiB",
     "swap_space": "CPU swap space for preempted sequences", "max_waiting": "queued requests before new ones get 503",
@@ -31,7 +34,7 @@ HELP = {
 FLAGS = {"num_threads": ["--threads", "--num-threads"], "enable_prefix_caching": ["--no-prefix-caching"]}
 SKIP = {"seed", "cache", "scheduler", "speculative"}   # the engine seed is not a CLI knob; sub-configs are flattened
 SIZES = {"kv_cache_memory", "swap_space", "max_body_bytes"}
-CHOICES = {"attention_backend": ["auto", "cpp", "torch"], "tool_call_parser": ["hermes"], "stream_stall_action": ["pause", "abort"]}
+CHOICES = {"dtype": list(DTYPES), "quantization": list(QUANTIZATIONS), "attention_backend": ["auto", "cpp", "torch"], "tool_call_parser": ["hermes"], "stream_stall_action": ["pause", "abort"]}
 
 def _arg_type(name, t: str):
     if name in SIZES: return str

@@ -6,7 +6,9 @@ from llm_engine.testing import ServerProcess
 class Server(ServerProcess):
     "`llm-engine serve ARGS`, its output kept for the tests to read; `stop()` sends SIGTERM and returns the exit code."
     def __init__(self, *args):
-        super().__init__([sys.executable, "-m", "llm_engine.cli", "serve", "--port", "{port}", "--log-level", "warning", *args],
+        # fp32, the exact path: tests compare streamed, batched and sequential outputs token for token (a later --dtype wins)
+        super().__init__([sys.executable, "-m", "llm_engine.cli", "serve", "--port", "{port}", "--log-level", "warning",
+                          "--dtype", "float32", *args],
                          timeout=240, capture_output=True)
     stop = ServerProcess.close
 

@@ -25,7 +25,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 def test_swap_and_preemption_on_both_ranks(tiny):
     "A KV cache too small for the batch: sequences are swapped out and in; the swaps must happen on rank 1 too."
-    kw = dict(model=tiny, num_blocks=8, swap_space="1MiB", attention_backend="torch")
+    kw = dict(model=tiny, num_blocks=8, swap_space="1MiB", attention_backend="torch", dtype="float32")
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     e1, e2 = LLMEngine(**kw), LLMEngine(**kw)
     ex = attach_tensor_parallel(e2, 2)
@@ -75,7 +75,7 @@ def test_no_orphan_when_the_engine_process_dies(tiny, tmp_path, sig):
 @pytest.mark.slow
 def test_default_model_tp2_equals_tp1():
     "SmolLM2-135M (9 query heads, 3 KV heads: 3 and 6 heads per rank): logits within 1e-4, greedy tokens equal."
-    kw = dict(num_blocks=64, attention_backend="torch")
+    kw = dict(num_blocks=64, attention_backend="torch", dtype="float32")
     e1, e2 = LLMEngine(**kw), LLMEngine(**kw)
     ex = attach_tensor_parallel(e2, 2)
     try:
@@ -111,7 +111,7 @@ def test_async_engine_and_openai_app_on_two_ranks(tiny):
     import asyncio, httpx
     from llm_engine.engine import AsyncLLMEngine
     from llm_engine.api import build_app
-    e1, e2 = LLMEngine(model=tiny, num_blocks=64, attention_backend="torch"), LLMEngine(model=tiny, num_blocks=64, attention_backend="torch")
+    e1, e2 = (LLMEngine(model=tiny, num_blocks=64, attention_backend="torch", dtype="float32") for _ in range(2))
     ex = attach_tensor_parallel(e2, 2)
     body = {"prompt": "Tensor parallel", "max_tokens": 8, "temperature": 0}
     async def ask(eng):
