@@ -19,7 +19,7 @@ __all__ = ['QUANTIZERS', 'Int8Linear', 'quantize_linears', 'forward_logits', 'Ag
 # %% ../nbs/05b_precision.ipynb
 class Int8Linear(nn.Module):
     "int8 weights with one scale per output channel (symmetric, from the fp32 weights); computes in bf16."
-    small_batch = 4     # rows up to which torch's int8 kernel beats dequantizing into a bf16 matmul (measured below)
+    small_batch = 16    # rows up to which torch's int8 kernel beats dequantizing into a bf16 matmul (measured below)
     def __init__(self, lin: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
@@ -89,7 +89,7 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     seen, total = set(), 0
     for m in model.modules():
         if isinstance(m, (nn.Embedding, RotaryEmbedding)): continue
-        for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
+        for t in [*m._parameters.values(), *m._buffers.values()]:      # no set lookups: packed tensors cannot be compared
             if t is not None and id(t) not in seen:     # ids, not data pointers: oneDNN-packed tensors have none
                 seen.add(id(t)); total += t.numel() * t.element_size()
     return total
