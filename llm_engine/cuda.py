@@ -353,7 +353,7 @@ from collections import Counter
 from contextlib import contextmanager
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_NO_KERNEL = {"empty", "empty_like", "empty_strided", "lift_fresh", "_local_scalar_dense", "detach", "alias"}
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "lift_fresh", "_local_scalar_dense", "detach", "detach_", "alias"}
 
 class LaunchCounter(TorchDispatchMode):
     "Counts the ATen ops that would each be a kernel launch on a GPU; `fused(name)` counts a region as one launch."
