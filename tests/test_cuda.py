@@ -43,6 +43,16 @@ def test_reference_bf16_accumulates_in_fp32():
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=5e-2)
 
+def test_entry_point_takes_bf16():
+    "Flat prefill (one with a cached prefix) and reference decode in bf16 stay within bf16's resolution of fp32."
+    g = torch.Generator().manual_seed(3)
+    kc, vc, q = torch.randn(96, 4, 2, 16, generator=g), torch.randn(96, 4, 2, 16, generator=g), torch.randn(16, 8, 16, generator=g)
+    spec = ([5, 9, 1, 1], [5, 14, 7, 20], [[0, 1], [2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12]])
+    want = cuda_paged_attention(q, kc, vc, AttentionMetadata.build(*spec, 4, decode_backend="reference"), 0.25)
+    got = cuda_paged_attention(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), AttentionMetadata.build(*spec, 4, decode_backend="reference"), 0.25)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=5e-2)
+
 def _mixed_step(prefill_specs, decode_lens, backend, H=8, KVH=2, D=16, BS=4, NB=96, seed=0):
     g = torch.Generator().manual_seed(seed)
     kc, vc = torch.zeros(NB, BS, KVH, D), torch.zeros(NB, BS, KVH, D)
