@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_engine.ipynb 3
 from __future__ import annotations
-import asyncio, itertools, threading, time, uuid
+import asyncio, ctypes, ctypes.util, itertools, threading, time, uuid
 from collections import deque
 from dataclasses import dataclass, field
 import torch
@@ -21,7 +21,7 @@ from .structured import StructuredOutputManager, apply_grammar_masks
 from .trace import Tracer
 
 # %% auto 0
-__all__ = ['QueueFull', 'LLMEngine', 'AsyncLLMEngine', 'LLM']
+__all__ = ['QueueFull', 'LLMEngine', 'MemoryTrimmer', 'AsyncLLMEngine', 'LLM']
 
 # %% ../nbs/08_engine.ipynb
 class QueueFull(RuntimeError): "The engine's waiting queue is at its limit."
@@ -320,9 +320,25 @@ def resume(self: LLMEngine, request_id) -> bool:
     return self._set_paused(request_id, False)
 
 # %% ../nbs/08_engine.ipynb
+class MemoryTrimmer:
+    "Calls glibc's `malloc_trim(0)` at most every `interval` seconds (0: never); a no-op where there is no glibc."
+    def __init__(self, interval: float = 10.0):
+        self.interval, self.last, self.calls, self.seconds = interval, time.monotonic(), 0, 0.0
+        try: self._trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError): self._trim = None
+
+    def maybe(self, now: float|None = None) -> bool:
+        "Trim if the interval has passed since the last trim; True if it trimmed."
+        now = time.monotonic() if now is None else now
+        if self._trim is None or not self.interval or now - self.last < self.interval: return False
+        t0 = time.perf_counter(); self._trim(0)
+        self.seconds += time.perf_counter() - t0; self.last, self.calls = now, self.calls + 1
+        return True
+
+# %% ../nbs/08_engine.ipynb
 class AsyncLLMEngine:
     "Runs `LLMEngine.step` on a background thread; `generate` streams each request's outputs, with backpressure."
-    def __init__(self, engine: LLMEngine, stall_timeout: float|None = None, stall_action: str|None = None):
+    def __init__(self, engine: LLMEngine, stall_timeout: float|None = None, stall_action: str|None = None, trim_interval: float = 10.0):
         cfg = engine.config
         self.stall_timeout = cfg.stream_stall_timeout if stall_timeout is None else stall_timeout
         self.stall_action = stall_action or cfg.stream_stall_action
@@ -332,6 +348,7 @@ class AsyncLLMEngine:
         self._aborts, self._resumes = deque(), deque()    # request ids from readers, applied before the next step
         self._stop, self._thread, self.errors = False, None, 0
         self.num_stalled = 0                               # requests paused or aborted because their reader stalled
+        self.trimmer = MemoryTrimmer(trim_interval)
 
     def start(self):
         if self._thread is None:
@@ -373,7 +390,7 @@ def _check_stalls(self: AsyncLLMEngine):
 @patch
 def _run(self: AsyncLLMEngine):
     while not self._stop:
-        self._drain(); self._check_stalls()
+        self._drain(); self._check_stalls(); self.trimmer.maybe()
         if not self.engine.has_unfinished():
             self._wake.wait(0.5); self._wake.clear(); continue
         steps = self.engine.num_steps
