@@ -69,6 +69,9 @@ class LLMEngine:
         if cfg.tensor_parallel_size > 1:     # the forward runs on N ranks instead (chapter 11b explains how)
             from llm_engine.distributed import attach_tensor_parallel
             self.runner = attach_tensor_parallel(self, cfg.tensor_parallel_size)
+        elif self.runner.device.type == "cuda" and not cfg.enforce_eager:   # decode steps replayed from CUDA graphs (chapter 11a)
+            from llm_engine.cuda import attach_cuda_graphs
+            attach_cuda_graphs(self.runner, cfg.scheduler.max_num_seqs, self.max_model_len)
         self.speculator = None
         if cfg.speculative.enabled:      # speculative decoding is its own chapter, after this one (08b)
             from llm_engine.spec_decode import Speculator
