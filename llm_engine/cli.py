@@ -16,7 +16,7 @@ HELP = {
     "dtype": "weights, activations and KV cache: auto is bfloat16 on CUDA and on CPUs with AVX512_BF16/AMX, else float32",
     "quantization": "int8: int8 weights with one scale per output channel, bf16 activations (notebook 05b)",
     "num_threads": "torch intra-op threads",
-    "attention_backend": "decode attention: C++ kernel over the paged cache (cpp), PyTorch gather + SDPA (torch), or auto",
+    "attention_backend": "decode attention: C++ kernel over the paged cache (cpp, CPU), Triton kernel (triton, CUDA), PyTorch gather + SDPA (torch), or auto",
     "num_blocks": "KV cache size in blocks (wins over --kv-cache-memory)", "kv_cache_memory": "KV cache size, e.g. 512MiB or 2GiB",
     "swap_space": "CPU swap space for preempted sequences", "max_waiting": "queued requests before new ones get 503",
     "enable_prefix_caching": "turn the prefix cache off", "max_model_len": "prompt + output limit (default: the model's context)",
@@ -30,11 +30,15 @@ HELP = {
     "tool_call_parser": "the tool-call format: hermes (<tool_call> JSON, the default for templates without tool support)",
     "num_speculative_tokens": "speculative decoding: draft tokens proposed by prompt lookup and verified per step (0: off)",
     "prompt_lookup_min": "shortest n-gram that proposes drafts", "prompt_lookup_max": "longest n-gram tried first",
+    "enforce_eager": "no CUDA graphs: run every step eagerly (graphs are recorded only on CUDA; a no-op on CPU and MPS)",
+    "scheduling_policy": "which waiting request of a priority starts first: fcfs (arrival) or sjf (shortest prompt; earlier first tokens when many arrive at once)",
+    "sjf_max_wait": "under sjf, seconds after which the queue's head goes first whatever its length",
 }
 FLAGS = {"num_threads": ["--threads", "--num-threads"], "enable_prefix_caching": ["--no-prefix-caching"]}
 SKIP = {"seed", "cache", "scheduler", "speculative"}   # the engine seed is not a CLI knob; sub-configs are flattened
 SIZES = {"kv_cache_memory", "swap_space", "max_body_bytes"}
-CHOICES = {"dtype": list(DTYPES), "quantization": list(QUANTIZATIONS), "attention_backend": ["auto", "cpp", "torch"], "tool_call_parser": ["hermes"], "stream_stall_action": ["pause", "abort"]}
+CHOICES = {"dtype": list(DTYPES), "quantization": list(QUANTIZATIONS), "attention_backend": ["auto", "cpp", "torch", "triton"],
+           "tool_call_parser": ["hermes"], "stream_stall_action": ["pause", "abort"], "scheduling_policy": ["fcfs", "sjf"]}
 
 def _arg_type(name, t: str):
     if name in SIZES: return str

@@ -121,10 +121,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 1024  # tokens one forward pass may process (the chunked-prefill budget)
     max_model_len: int|None = None      # prompt + output; defaults to the model's context
     max_waiting: int = 1024             # queued requests before new ones are refused
+    scheduling_policy: str = "fcfs"   # waiting requests of one priority: "fcfs" (by arrival) or "sjf" (shortest prompt first)
+    sjf_max_wait: float = 5.0           # under "sjf", a request queued longer than this (s) goes first whatever its length
 
     def __post_init__(self):
         if self.max_num_seqs < 1: raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1: raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.scheduling_policy not in ("fcfs", "sjf"): raise ValueError(f"scheduling_policy must be 'fcfs' or 'sjf', not {self.scheduling_policy!r}")
+        if not self.sjf_max_wait >= 0: raise ValueError("sjf_max_wait must be >= 0")
 
 @dataclass
 class SpeculativeConfig:
@@ -158,6 +162,7 @@ class EngineConfig:
     trace_capacity: int = 1024         # engine steps the trace ring buffer keeps (0: no tracing)
     trace_blocks: bool = False         # also copy the KV block map into every step record (notebooks, not servers)
     tensor_parallel_size: int = 1      # ranks that split every layer (torch.distributed; chapter 11b)
+    enforce_eager: bool = False        # no CUDA graphs: every step runs eagerly (graphs exist only on CUDA; a no-op on CPU/MPS)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

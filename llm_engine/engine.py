@@ -13,7 +13,7 @@ from .config import EngineConfig, resolve_device, resolve_dtype
 from .model import load_model, load_tokenizer
 from .runner import ModelRunner
 from .block_manager import BlockManager
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, SampleOutput, sample
 from .outputs import (CompletionOutput, RequestMetrics, RequestOutput, IncrementalDetokenizer,
                                  append_token, completion_output)
 from .scheduler import Scheduler, Sequence, SeqStatus
@@ -72,6 +72,9 @@ class LLMEngine:
         if cfg.tensor_parallel_size > 1:     # the forward runs on N ranks instead (chapter 11b explains how)
             from llm_engine.distributed import attach_tensor_parallel
             self.runner = attach_tensor_parallel(self, cfg.tensor_parallel_size)
+        elif self.runner.device.type == "cuda" and not cfg.enforce_eager:   # decode steps replayed from CUDA graphs (chapter 11a)
+            from llm_engine.cuda import attach_cuda_graphs
+            attach_cuda_graphs(self.runner, cfg.scheduler.max_num_seqs, self.max_model_len)
         self.speculator = None
         if cfg.speculative.enabled:      # speculative decoding is its own chapter, after this one (08b)
             from llm_engine.spec_decode import Speculator
@@ -82,6 +85,13 @@ class LLMEngine:
     def has_unfinished(self): return bool(self.requests)
 
 # %% ../nbs/08_engine.ipynb
+def _param_token_ids(p: SamplingParams):
+    "(field, token ids) for every parameter that names token ids: each must lie inside the model's vocabulary."
+    yield "logit_bias", list(p.logit_bias or {})
+    yield "allowed_token_ids", p.allowed_token_ids or []
+    yield "bad_words", [t for w in p.bad_words_token_ids or [] for t in w]
+    yield "stop_token_ids", p.stop_token_ids or []
+
 @patch
 def add_request(self: LLMEngine, request_id, prompt, params: SamplingParams|None = None, priority=0, arrival_time=None):
     "Queue a request; `prompt` is a string or a list of token ids. Raises ValueError for bad input, QueueFull when full."
@@ -92,6 +102,8 @@ def add_request(self: LLMEngine, request_id, prompt, params: SamplingParams|None
     if not ids: raise ValueError("the prompt is empty")
     V = self.model.config.vocab_size
     if not all(isinstance(t, int) and 0 <= t < V for t in ids): raise ValueError(f"prompt token ids must be integers in [0, {V})")
+    for name, tids in _param_token_ids(params):
+        if any(t >= V for t in tids): raise ValueError(f"{name}: token ids must be in [0, {V}), the model's vocabulary")
     room = self.max_model_len - len(ids)
     if room < 1:
         raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has {len(ids)} tokens")
@@ -227,7 +239,14 @@ def _sample(self: LLMEngine, logits, seqs):
         t0 = time.perf_counter()
         apply_grammar_masks(logits, matchers, self._grammar_bitmask(len(seqs)))
         self.grammar_mask_time += time.perf_counter() - t0; self.grammar_mask_steps += 1
-    return sample(logits, seqs, self.eos_ids)
+    try: return sample(logits, seqs, self.eos_ids)
+    except Exception:   # one row's parameters broke the batched sampler: sample row by row, so only that row fails
+        return [self._sample_row(logits[i:i + 1], s) for i, s in enumerate(seqs)]
+
+@patch
+def _sample_row(self: LLMEngine, logits, seq) -> SampleOutput:
+    try: return sample(logits, [seq], self.eos_ids)[0]
+    except Exception as e: return SampleOutput(0, error=f"sampling failed: {type(e).__name__}: {e}")
 
 @patch
 def _accept(self: LLMEngine, req: _Request, seq: Sequence, smp) -> bool:
