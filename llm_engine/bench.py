@@ -334,7 +334,7 @@ def _openvino_peers(d: Path, threads) -> list[Peer]:
 
 def _vllm_peers(d: Path, threads, n, ctx) -> list[Peer]:
     py, model = d / "vllm/bin/python", d / "models/hf"
-    env = ["env", "VLLM_TARGET_DEVICE=cpu", "VLLM_CPU_KVCACHE_SPACE=2", f"VLLM_CPU_OMP_THREADS_BIND=0-{threads - 1}",
+    env = ["env", "VLLM_TARGET_DEVICE=cpu", "VLLM_CPU_KVCACHE_SPACE=2", f"VLLM_CPU_OMP_THREADS_BIND=0-{threads - 1}", f"OMP_NUM_THREADS={threads}",
            "VLLM_NO_USAGE_STATS=1", "HF_HUB_OFFLINE=1", "TRANSFORMERS_OFFLINE=1"]
     cmd = env + [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "smollm2",
                  "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "{port}", "--max-num-seqs", str(n), "--max-model-len", str(ctx)]
@@ -355,13 +355,13 @@ def _log_tail(log: Path) -> str:
     lines = [l for l in (log.read_text(errors="replace") if log.exists() else "").splitlines() if l.strip()]
     return lines[-1].strip()[:300] if lines else "no output"
 
-def run_http_system(name, cmd, reqs, concurrencies, body_extra=None, log=None, timeout=900) -> list[dict]:
+def run_http_system(name, cmd, reqs, concurrencies, body_extra=None, log=None, timeout=1800) -> list[dict]:
     "Start a server, warm it up with one short request, then measure it at each concurrency on all of `reqs`."
     log = Path(log or tempfile.mkstemp(suffix=".log")[1])
     try: srv = ServerProcess(_logged(cmd, log), timeout=timeout)
     except RuntimeError as e: raise RuntimeError(f"did not start: {_log_tail(log)}") from e
     with srv:
-        asyncio.run(_drive(srv.base, [reqs[0].prompt], [4], 1, body_extra or {}))
+        asyncio.run(_drive(srv.base, ["A request that only warms the server up."], [4], 1, body_extra or {}))   # not a workload prompt: no prefix-cache hit
         return [bench_http_text(name, srv, [r.prompt for r in reqs], [r.max_tokens for r in reqs], c, body_extra) for c in concurrencies]
 
 # %% ../nbs/12_benchmarks.ipynb
