@@ -431,6 +431,11 @@ def _run_ours(reqs, threads, n, num_blocks, log_dir) -> tuple[dict, list]:
     return asdict(PeerRow.from_runs("llm_engine", http, off, f"fp32, {threads} threads")), http
 
 # %% ../nbs/12_benchmarks.ipynb
+def _short(note, runs, want) -> str:
+    "The row's note, plus a warning for any run that produced other than `want` tokens (ignore_eos not honoured)."
+    bad = [r["output_tokens"] for r in runs if r["output_tokens"] != want]
+    return note + (f"; WARNING: produced {bad} output tokens, not {want}" if bad else "")
+
 def run_peers(n=32, max_tokens=64, words=(20, 150), threads=2, seed=0, path=None, only=None, num_blocks=1024, ctx=512, log_dir=None) -> dict:
     "llm_engine and every installed peer on one workload, in one run: `{machine, workload, rows, skipped, http}`."
     reqs = make_text_workload(n, words, max_tokens, seed)
@@ -443,9 +448,12 @@ def run_peers(n=32, max_tokens=64, words=(20, 150), threads=2, seed=0, path=None
         print(f"running {p.name} ...", file=sys.stderr, flush=True)
         try:
             if p.kind == "http":
-                h = run_http_system(p.name, p.cmd, reqs, (1, n), p.config.get("body"), log=log_dir / f"{p.name.replace(' ', '_')}.log")
-                http += h; rows.append(asdict(PeerRow.from_runs(p.name, h, note=p.note)))
-            else: rows.append(asdict(PeerRow.from_runs(p.name, offline=run_offline_peer(p, reqs), note=p.note)))
+                h = run_http_system(p.name, p.cmd, reqs, (1, n), {"ignore_eos": True, **p.config.get("body", {})},
+                                    log=log_dir / f"{p.name.replace(' ', '_')}.log")
+                http += h; rows.append(asdict(PeerRow.from_runs(p.name, h, note=_short(p.note, h, n * max_tokens))))
+            else:
+                off = run_offline_peer(p, reqs)
+                rows.append(asdict(PeerRow.from_runs(p.name, offline=off, note=_short(p.note, [off], n * max_tokens))))
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired, httpx.HTTPError) as e:
             skipped.append(dict(system=p.name, reason=f"failed: {e}"[:300]))
     return dict(machine=_machine(), workload=dict(requests=n, words=words, max_tokens=max_tokens, threads=threads, seed=seed,
