@@ -13,7 +13,7 @@ __all__ = ['HELP', 'FLAGS', 'SKIP', 'SIZES', 'CHOICES', 'add_config_args', 'conf
 HELP = {
     "model": "model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     "dtype": "weights and KV cache dtype", "num_threads": "torch intra-op threads",
-    "attention_backend": "decode attention: C++ kernel over the paged cache (cpp), PyTorch gather + SDPA (torch), or auto",
+    "attention_backend": "decode attention: C++ kernel over the paged cache (cpp, CPU), Triton kernel (triton, CUDA), PyTorch gather + SDPA (torch), or auto",
     "num_blocks": "KV cache size in blocks (wins over --kv-cache-memory)", "kv_cache_memory": "KV cache size, e.g. 512MiB or 2GiB",
     "swap_space": "CPU swap space for preempted sequences", "max_waiting": "queued requests before new ones get 503",
     "enable_prefix_caching": "turn the prefix cache off", "max_model_len": "prompt + output limit (default: the model's context)",
@@ -27,11 +27,12 @@ HELP = {
     "tool_call_parser": "the tool-call format: hermes (<tool_call> JSON, the default for templates without tool support)",
     "num_speculative_tokens": "speculative decoding: draft tokens proposed by prompt lookup and verified per step (0: off)",
     "prompt_lookup_min": "shortest n-gram that proposes drafts", "prompt_lookup_max": "longest n-gram tried first",
+    "enforce_eager": "no CUDA graphs: run every step eagerly (graphs are recorded only on CUDA; a no-op on CPU and MPS)",
 }
 FLAGS = {"num_threads": ["--threads", "--num-threads"], "enable_prefix_caching": ["--no-prefix-caching"]}
 SKIP = {"seed", "cache", "scheduler", "speculative"}   # the engine seed is not a CLI knob; sub-configs are flattened
 SIZES = {"kv_cache_memory", "swap_space", "max_body_bytes"}
-CHOICES = {"attention_backend": ["auto", "cpp", "torch"], "tool_call_parser": ["hermes"], "stream_stall_action": ["pause", "abort"]}
+CHOICES = {"attention_backend": ["auto", "cpp", "torch", "triton"], "tool_call_parser": ["hermes"], "stream_stall_action": ["pause", "abort"]}
 
 def _arg_type(name, t: str):
     if name in SIZES: return str

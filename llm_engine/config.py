@@ -153,6 +153,7 @@ class EngineConfig:
     trace_capacity: int = 1024         # engine steps the trace ring buffer keeps (0: no tracing)
     trace_blocks: bool = False         # also copy the KV block map into every step record (notebooks, not servers)
     tensor_parallel_size: int = 1      # ranks that split every layer (torch.distributed; chapter 11b)
+    enforce_eager: bool = False        # no CUDA graphs: every step runs eagerly (graphs exist only on CUDA; a no-op on CPU/MPS)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

@@ -4,9 +4,12 @@
 
 # %% ../nbs/11a_cuda.ipynb 3
 from __future__ import annotations
+from collections import Counter
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 from itertools import accumulate
-import math, os
+import math, os, warnings
 import torch
 import torch.nn.functional as F
 from fastcore.basics import patch
@@ -21,10 +24,11 @@ try: from flash_attn import flash_attn_varlen_func
 except ImportError: flash_attn_varlen_func = None
 
 # %% auto 0
-__all__ = ['DECODE_BACKENDS', 'GRAPH_BACKENDS', 'triton_available', 'cuda_available', 'paged_decode_reference',
+__all__ = ['DECODE_BACKENDS', 'GRAPH_BACKENDS', 'MAX_GRAPH_BATCH', 'triton_available', 'cuda_available', 'paged_decode_reference',
            'paged_decode_triton', 'FlatPrefill', 'flat_prefill_attention', 'cuda_paged_attention',
-           'select_attention_backend', 'graph_batch_sizes', 'padded_batch_size', 'DecodeGraphBuffers',
-           'CUDAGraphRunner', 'LaunchCounter']
+           'select_attention_backend', 'graph_batch_sizes', 'padded_batch_size', 'DecodeGraphBuffers', 'GraphDecision',
+           'graph_decision', 'RecordedGraph', 'record_cuda_graph', 'record_eagerly', 'CUDAGraphRunner',
+           'attach_cuda_graphs', 'LaunchCounter']
 
 # %% ../nbs/11a_cuda.ipynb
 def triton_available() -> bool:
@@ -223,21 +227,65 @@ class DecodeGraphBuffers:
     def metadata(self, bs: int, backend: str) -> AttentionMetadata:
         "Decode-only metadata whose tensors are views of the buffers, so a graph recorded with it sees each new batch."
         return AttentionMetadata(self.slot_mapping[:bs], self.block_size, decode_block_tables=self.block_tables[:bs],
-                                 decode_context_lens=self.context_lens[:bs], decode_backend=backend)
+                                 decode_context_lens=self.context_lens[:bs], decode_backend=backend,
+                                 attention=cuda_paged_attention)
+
+# %% ../nbs/11a_cuda.ipynb
+@dataclass(frozen=True)
+class GraphDecision:
+    "How one step runs: replayed from the graph of `graph_size` rows (`padding` of them filler), or eagerly, and why."
+    replay: bool
+    rows: int                    # rows (sequences) in the step
+    graph_size: int|None         # the recorded batch size replayed; None when eager
+    reason: str                  # "replay", or why not (the table above)
+    @property
+    def padding(self) -> int: return self.graph_size - self.rows if self.replay else 0
+
+def graph_decision(prefill_rows: int, decode_rows: int, table_width: int, sizes, max_blocks: int,
+                   enforce_eager: bool = False, all_logits: bool = False) -> GraphDecision:
+    "Whether a step with these rows replays a recorded decode graph: a pure function of its shape and the recorded sizes."
+    rows = prefill_rows + decode_rows
+    why = ("enforce_eager" if enforce_eager else "no_graphs" if not sizes else "empty" if not rows
+           else "multi_token_rows" if prefill_rows else "all_logits" if all_logits
+           else "batch_too_large" if decode_rows > max(sizes) else "table_too_wide" if table_width > max_blocks else None)
+    if why: return GraphDecision(False, rows, None, why)
+    return GraphDecision(True, rows, padded_batch_size(decode_rows, sizes), "replay")
+
+# %% ../nbs/11a_cuda.ipynb
+@dataclass
+class RecordedGraph:
+    "One recorded decode step: `replay()` recomputes `output` in place from whatever the static buffers hold."
+    replay: Callable[[], object]
+    output: torch.Tensor
+    pool: object = None          # the memory pool that the next recording shares (CUDA graphs)
+
+def record_cuda_graph(fn, pool=None) -> RecordedGraph:
+    "Record the kernels `fn` launches into a `torch.cuda.CUDAGraph`, allocating from `pool` (shared between sizes)."
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool): out = fn()
+    return RecordedGraph(g.replay, out, g.pool())
+
+def record_eagerly(fn, pool=None) -> RecordedGraph:
+    "The CPU stand-in for `record_cuda_graph`: a replay re-runs `fn` on the static buffers and writes into the one output."
+    out = fn()
+    @torch.inference_mode()
+    def replay(): out.copy_(fn())
+    return RecordedGraph(replay, out, pool)
 
 # %% ../nbs/11a_cuda.ipynb
 GRAPH_BACKENDS = ("triton", "reference")     # decode paths that never ask the host for a length
+MAX_GRAPH_BATCH = 512    # vLLM's and nano-vllm's cap: past it a step's kernels run long enough to hide their launches
 
 class CUDAGraphRunner:
-    "Decode steps replayed from CUDA graphs recorded at a few batch sizes; a batch is padded to the next one."
+    "Decode steps replayed from graphs recorded at a few batch sizes; a batch is padded to the next one."
     def __init__(self, model, layer_caches, block_size: int, max_blocks: int, pad_slot: int, max_batch: int = 32,
-                 backend: str = "triton", enforce_eager: bool = False):
+                 backend: str = "triton", enforce_eager: bool = False, recorder: Callable = record_cuda_graph):
         if backend not in GRAPH_BACKENDS: raise ValueError(f"CUDA graphs need a decode backend in {GRAPH_BACKENDS}, not {backend!r}")
         self.model, self.layer_caches, self.backend, self.enforce_eager = model, layer_caches, backend, enforce_eager
-        self.sizes, self.max_blocks = graph_batch_sizes(max_batch), max_blocks
+        self.sizes, self.max_blocks, self.recorder = graph_batch_sizes(max_batch), max_blocks, recorder
         device = next(model.parameters()).device
         self.buffers = DecodeGraphBuffers.allocate(max_batch, max_blocks, pad_slot, block_size, device)
-        self.graphs, self.outputs, self.pool = {}, {}, None
+        self.graphs, self.pool, self.counts, self.last = {}, None, Counter(), None
 
     @torch.inference_mode()
     def forward_static(self, bs: int) -> torch.Tensor:
@@ -246,43 +294,66 @@ class CUDAGraphRunner:
         hidden = self.model(b.input_ids[:bs], b.positions[:bs], b.metadata(bs, self.backend), self.layer_caches)
         return self.model.compute_logits(hidden)
 
-    def padded_size(self, md: AttentionMetadata) -> int|None:
-        "The graph size for this step, or `None` when it must run eagerly."
-        if self.enforce_eager or md.num_prefill_tokens or not md.num_decodes: return None
-        if md.decode_block_tables.shape[1] > self.max_blocks: return None
-        return padded_batch_size(md.num_decodes, self.sizes)
+    def dispatch(self, md: AttentionMetadata, all_logits: bool = False) -> GraphDecision:
+        "This step's `GraphDecision` (`graph_decision` on its metadata)."
+        width = md.decode_block_tables.shape[1] if md.num_decodes else 0
+        return graph_decision(len(md.prefill_query_lens), md.num_decodes, width, self.sizes, self.max_blocks,
+                              self.enforce_eager, all_logits)
+
 
 # %% ../nbs/11a_cuda.ipynb
 @patch
 def capture(self: CUDAGraphRunner):
-    "Record one graph per batch size, largest first, all sharing one memory pool (GPU only)."
+    "Record one graph per batch size, largest first, all sharing one memory pool; done once, at start-up."
     if self.enforce_eager: return self
-    if self.buffers.input_ids.device.type != "cuda": raise RuntimeError("CUDA graphs need the model and cache on a CUDA device")
-    for bs in reversed(self.sizes):
-        for _ in range(2): self.forward_static(bs)      # warm-up: Triton compiles, cuBLAS picks its kernels
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool): self.outputs[bs] = self.forward_static(bs)
-        self.pool, self.graphs[bs] = g.pool(), g
-    torch.cuda.synchronize()
+    on_gpu = self.buffers.input_ids.device.type == "cuda"
+    if self.recorder is record_cuda_graph and not on_gpu: raise RuntimeError("CUDA graphs need the model and cache on a CUDA device")
+    for bs in reversed(self.sizes):      # largest first: the smaller graphs reuse the memory it reserved
+        for _ in range(2): self.forward_static(bs)      # warm-up on padding rows: Triton compiles, cuBLAS picks its kernels
+        if on_gpu: torch.cuda.synchronize()
+        self.graphs[bs] = g = self.recorder(partial(self.forward_static, bs), self.pool)
+        self.pool = g.pool
+    if on_gpu: torch.cuda.synchronize()
     return self
 
 @patch
-def run(self: CUDAGraphRunner, input_ids, positions, md: AttentionMetadata) -> torch.Tensor|None:
+def run(self: CUDAGraphRunner, input_ids, positions, md: AttentionMetadata, all_logits: bool = False) -> torch.Tensor|None:
     "Logits `[n, vocab]` of a decode-only step in `md`'s row order (valid until the next run), or `None`: run it eagerly."
-    bs = self.padded_size(md)
-    if bs is None: return None
-    self.buffers.fill(input_ids, positions, md, bs)
-    if bs not in self.graphs: return self.forward_static(bs)[:len(input_ids)]   # not captured (CPU tests): same work, eagerly
-    self.graphs[bs].replay()
-    return self.outputs[bs][:len(input_ids)]
+    d = self.last = self.dispatch(md, all_logits)
+    self.counts[d.reason] += 1
+    if not d.replay: return None
+    self.buffers.fill(input_ids, positions, md, d.graph_size)
+    g = self.graphs.get(d.graph_size)
+    if g is None: return self.forward_static(d.graph_size)[:d.rows]   # nothing recorded: the same work, eagerly
+    g.replay()
+    return g.output[:d.rows]
+
+@patch
+def replay(self: CUDAGraphRunner, inp) -> torch.Tensor|None:
+    "The runner's hook (`ModelRunner.replayer`): logits of every row of the step `inp` (`StepInputs`), or `None`: eager."
+    return self.run(inp.input_ids, inp.positions, inp.attn, all_logits=bool(inp.spans))
+
+
+# %% ../nbs/11a_cuda.ipynb
+def attach_cuda_graphs(runner, max_batch: int, max_model_len: int, enforce_eager: bool = False,
+                       recorder: Callable = record_cuda_graph, backend: str|None = None) -> CUDAGraphRunner|None:
+    "Record decode graphs for `runner` (a `ModelRunner`) now, at start-up, and install them as its replayer; `None`: eager."
+    if enforce_eager or (recorder is record_cuda_graph and runner.device.type != "cuda"): return None   # graphs: CUDA only
+    backend = backend or runner.attention_backend
+    if backend not in GRAPH_BACKENDS:
+        warnings.warn(f"no CUDA graphs: decode backend {backend!r} cannot be recorded (is Triton installed?); running eagerly")
+        return None
+    graphs = CUDAGraphRunner(runner.model, runner.layer_caches, runner.block_size, -(-max_model_len // runner.block_size),
+                             runner.scratch_slot, min(max_batch, MAX_GRAPH_BATCH), backend, recorder=recorder)
+    runner.replayer = graphs.capture()
+    return graphs
 
 # %% ../nbs/11a_cuda.ipynb
 from collections import Counter
 from contextlib import contextmanager
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_NO_KERNEL = {"empty", "empty_like", "empty_strided", "lift_fresh", "_local_scalar_dense", "detach", "alias"}
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "lift_fresh", "_local_scalar_dense", "detach", "detach_", "alias"}
 
 class LaunchCounter(TorchDispatchMode):
     "Counts the ATen ops that would each be a kernel launch on a GPU; `fused(name)` counts a region as one launch."

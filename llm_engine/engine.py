@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_engine.ipynb 3
 from __future__ import annotations
-import asyncio, itertools, threading, time, uuid
+import asyncio, ctypes, ctypes.util, itertools, threading, time, uuid
 from collections import deque
 from dataclasses import dataclass, field
 import torch
@@ -13,7 +13,7 @@ from .config import EngineConfig, resolve_device
 from .model import load_model, load_tokenizer
 from .runner import ModelRunner
 from .block_manager import BlockManager
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, SampleOutput, sample
 from .outputs import (CompletionOutput, RequestMetrics, RequestOutput, IncrementalDetokenizer,
                                  append_token, completion_output)
 from .scheduler import Scheduler, Sequence, SeqStatus
@@ -21,7 +21,7 @@ from .structured import StructuredOutputManager, apply_grammar_masks
 from .trace import Tracer
 
 # %% auto 0
-__all__ = ['QueueFull', 'LLMEngine', 'AsyncLLMEngine', 'LLM']
+__all__ = ['QueueFull', 'LLMEngine', 'MemoryTrimmer', 'AsyncLLMEngine', 'LLM']
 
 # %% ../nbs/08_engine.ipynb
 class QueueFull(RuntimeError): "The engine's waiting queue is at its limit."
@@ -69,6 +69,9 @@ class LLMEngine:
         if cfg.tensor_parallel_size > 1:     # the forward runs on N ranks instead (chapter 11b explains how)
             from llm_engine.distributed import attach_tensor_parallel
             self.runner = attach_tensor_parallel(self, cfg.tensor_parallel_size)
+        elif self.runner.device.type == "cuda" and not cfg.enforce_eager:   # decode steps replayed from CUDA graphs (chapter 11a)
+            from llm_engine.cuda import attach_cuda_graphs
+            attach_cuda_graphs(self.runner, cfg.scheduler.max_num_seqs, self.max_model_len)
         self.speculator = None
         if cfg.speculative.enabled:      # speculative decoding is its own chapter, after this one (08b)
             from llm_engine.spec_decode import Speculator
@@ -79,6 +82,13 @@ class LLMEngine:
     def has_unfinished(self): return bool(self.requests)
 
 # %% ../nbs/08_engine.ipynb
+def _param_token_ids(p: SamplingParams):
+    "(field, token ids) for every parameter that names token ids: each must lie inside the model's vocabulary."
+    yield "logit_bias", list(p.logit_bias or {})
+    yield "allowed_token_ids", p.allowed_token_ids or []
+    yield "bad_words", [t for w in p.bad_words_token_ids or [] for t in w]
+    yield "stop_token_ids", p.stop_token_ids or []
+
 @patch
 def add_request(self: LLMEngine, request_id, prompt, params: SamplingParams|None = None, priority=0, arrival_time=None):
     "Queue a request; `prompt` is a string or a list of token ids. Raises ValueError for bad input, QueueFull when full."
@@ -89,6 +99,8 @@ def add_request(self: LLMEngine, request_id, prompt, params: SamplingParams|None
     if not ids: raise ValueError("the prompt is empty")
     V = self.model.config.vocab_size
     if not all(isinstance(t, int) and 0 <= t < V for t in ids): raise ValueError(f"prompt token ids must be integers in [0, {V})")
+    for name, tids in _param_token_ids(params):
+        if any(t >= V for t in tids): raise ValueError(f"{name}: token ids must be in [0, {V}), the model's vocabulary")
     room = self.max_model_len - len(ids)
     if room < 1:
         raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has {len(ids)} tokens")
@@ -224,7 +236,14 @@ def _sample(self: LLMEngine, logits, seqs):
         t0 = time.perf_counter()
         apply_grammar_masks(logits, matchers, self._grammar_bitmask(len(seqs)))
         self.grammar_mask_time += time.perf_counter() - t0; self.grammar_mask_steps += 1
-    return sample(logits, seqs, self.eos_ids)
+    try: return sample(logits, seqs, self.eos_ids)
+    except Exception:   # one row's parameters broke the batched sampler: sample row by row, so only that row fails
+        return [self._sample_row(logits[i:i + 1], s) for i, s in enumerate(seqs)]
+
+@patch
+def _sample_row(self: LLMEngine, logits, seq) -> SampleOutput:
+    try: return sample(logits, [seq], self.eos_ids)[0]
+    except Exception as e: return SampleOutput(0, error=f"sampling failed: {type(e).__name__}: {e}")
 
 @patch
 def _accept(self: LLMEngine, req: _Request, seq: Sequence, smp) -> bool:
@@ -317,9 +336,25 @@ def resume(self: LLMEngine, request_id) -> bool:
     return self._set_paused(request_id, False)
 
 # %% ../nbs/08_engine.ipynb
+class MemoryTrimmer:
+    "Calls glibc's `malloc_trim(0)` at most every `interval` seconds (0: never); a no-op where there is no glibc."
+    def __init__(self, interval: float = 10.0):
+        self.interval, self.last, self.calls, self.seconds = interval, time.monotonic(), 0, 0.0
+        try: self._trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError): self._trim = None
+
+    def maybe(self, now: float|None = None) -> bool:
+        "Trim if the interval has passed since the last trim; True if it trimmed."
+        now = time.monotonic() if now is None else now
+        if self._trim is None or not self.interval or now - self.last < self.interval: return False
+        t0 = time.perf_counter(); self._trim(0)
+        self.seconds += time.perf_counter() - t0; self.last, self.calls = now, self.calls + 1
+        return True
+
+# %% ../nbs/08_engine.ipynb
 class AsyncLLMEngine:
     "Runs `LLMEngine.step` on a background thread; `generate` streams each request's outputs, with backpressure."
-    def __init__(self, engine: LLMEngine, stall_timeout: float|None = None, stall_action: str|None = None):
+    def __init__(self, engine: LLMEngine, stall_timeout: float|None = None, stall_action: str|None = None, trim_interval: float = 10.0):
         cfg = engine.config
         self.stall_timeout = cfg.stream_stall_timeout if stall_timeout is None else stall_timeout
         self.stall_action = stall_action or cfg.stream_stall_action
@@ -329,6 +364,7 @@ class AsyncLLMEngine:
         self._aborts, self._resumes = deque(), deque()    # request ids from readers, applied before the next step
         self._stop, self._thread, self.errors = False, None, 0
         self.num_stalled = 0                               # requests paused or aborted because their reader stalled
+        self.trimmer = MemoryTrimmer(trim_interval)
 
     def start(self):
         if self._thread is None:
@@ -370,7 +406,7 @@ def _check_stalls(self: AsyncLLMEngine):
 @patch
 def _run(self: AsyncLLMEngine):
     while not self._stop:
-        self._drain(); self._check_stalls()
+        self._drain(); self._check_stalls(); self.trimmer.maybe()
         if not self.engine.has_unfinished():
             self._wake.wait(0.5); self._wake.clear(); continue
         steps = self.engine.num_steps

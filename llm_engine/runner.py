@@ -47,11 +47,14 @@ class ModelRunner:
             self.attention_backend = select_attention_backend(self.device, dt, attention_backend)
             self.attention_fn = cuda_paged_attention
         if self.device.type == "cpu": keep_freed_memory()
-        shape = (mc.num_layers, 2, num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
+        # one block past the block manager's `num_blocks`: scratch no sequence owns, for rows computed but never kept
+        shape = (mc.num_layers, 2, num_blocks + 1, block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dt, device=self.device)
+        self.scratch_slot = num_blocks * block_size
         self.cpu_cache = torch.zeros(shape[:2] + (num_cpu_blocks,) + shape[3:], dtype=dt,
                                      pin_memory=self.device.type == "cuda")
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
+        self.replayer = None     # replays a step instead of running it eagerly (CUDA graphs, chapter 11a); None: always eager
 
 # %% ../nbs/07a_runner.ipynb
 def _ids(pairs, side, device=None): return torch.tensor([getattr(p, side) for p in pairs], dtype=torch.long, device=device)
@@ -98,6 +101,9 @@ def execute(self: ModelRunner, out: SchedulerOutput) -> RunnerOutput:
     self.apply_block_ops(out)
     if not out.scheduled: return RunnerOutput(None, [])
     inp = self.prepare(out.scheduled)
+    every_row = self.replayer.replay(inp) if self.replayer is not None else None   # [T, vocab] logits, or None: eager
+    if every_row is not None:
+        return RunnerOutput(every_row[inp.sample_index].to("cpu") if inp.sampled else None, inp.sampled)
     hidden = self.model(inp.input_ids, inp.positions, inp.attn, self.layer_caches)
     logits = self.model.compute_logits(hidden[inp.sample_index]) if inp.sampled else None
     rows = {i: self.model.compute_logits(hidden[s:e]).to("cpu") for i, (s, e) in inp.spans.items()}

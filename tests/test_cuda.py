@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from llm_engine.attention import AttentionMetadata, paged_attention, store_kv, load_decode_kernel
-from llm_engine.cuda import (CUDAGraphRunner, DecodeGraphBuffers, cuda_paged_attention, graph_batch_sizes, padded_batch_size,
-                             paged_decode_reference, paged_decode_triton, select_attention_backend, triton_available)
+from llm_engine.cuda import (CUDAGraphRunner, DecodeGraphBuffers, GraphDecision, attach_cuda_graphs, cuda_paged_attention,
+                             graph_batch_sizes, graph_decision, padded_batch_size, paged_decode_reference, paged_decode_triton,
+                             record_cuda_graph, record_eagerly, select_attention_backend, triton_available)
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_triton = pytest.mark.skipif(not triton_available(), reason="needs Triton (ships with CUDA builds of torch)")
@@ -41,6 +42,16 @@ def test_reference_bf16_accumulates_in_fp32():
     out = paged_decode_reference(torch.empty_like(q), q, kc, vc, bt, ctx, 16 ** -0.5)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=5e-2)
+
+def test_entry_point_takes_bf16():
+    "Flat prefill (one with a cached prefix) and reference decode in bf16 stay within bf16's resolution of fp32."
+    g = torch.Generator().manual_seed(3)
+    kc, vc, q = torch.randn(96, 4, 2, 16, generator=g), torch.randn(96, 4, 2, 16, generator=g), torch.randn(16, 8, 16, generator=g)
+    spec = ([5, 9, 1, 1], [5, 14, 7, 20], [[0, 1], [2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12]])
+    want = cuda_paged_attention(q, kc, vc, AttentionMetadata.build(*spec, 4, decode_backend="reference"), 0.25)
+    got = cuda_paged_attention(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), AttentionMetadata.build(*spec, 4, decode_backend="reference"), 0.25)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=5e-2)
 
 def _mixed_step(prefill_specs, decode_lens, backend, H=8, KVH=2, D=16, BS=4, NB=96, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -129,9 +140,8 @@ def test_graph_runner_static_forward_equals_eager_on_cpu():
     kv_eager = kv.clone(); kv.copy_(kv0)
     graphs = CUDAGraphRunner(tiny, caches, BS, max_blocks=8, pad_slot=(NB - 1) * BS, max_batch=8, backend="reference")
     md = AttentionMetadata.build([1] * 5, lens, tables, BS, decode_backend="reference")
-    with mock.patch("llm_engine.model.paged_attention", cuda_paged_attention):
-        got = graphs.run(ids, pos, md)
-    assert graphs.padded_size(md) == 8 and got.shape == (5, 256)
+    got = graphs.run(ids, pos, md)      # the static metadata routes attention to cuda_paged_attention itself
+    assert graphs.last == GraphDecision(True, 5, 8, "replay") and graphs.last.padding == 3 and got.shape == (5, 256)
     torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(kv[:, :, :NB - 1], kv_eager[:, :, :NB - 1], rtol=1e-5, atol=1e-5)
     assert not torch.equal(kv[:, :, NB - 1], kv0[:, :, NB - 1])                            # padding rows wrote here only
@@ -225,21 +235,20 @@ def test_graph_capture_and_replay_equal_eager():
     tiny = _tiny_llama(seed=1).to(dev)
     kv = torch.zeros(2, 2, NB, BS, 2, 16, device=dev)
     caches = [(kv[i, 0], kv[i, 1]) for i in range(2)]
-    graphs = CUDAGraphRunner(tiny, caches, BS, max_blocks=16, pad_slot=(NB - 1) * BS, max_batch=8, backend="triton")
-    with mock.patch("llm_engine.model.paged_attention", cuda_paged_attention):
-        graphs.capture()
-        assert sorted(graphs.graphs) == [1, 2, 4, 8]
-        for trial, n in enumerate((1, 3, 8, 5)):
-            lens = [random.Random(trial * 10 + i).randint(1, 60) for i in range(n)]
-            perm = torch.randperm(NB - 1).tolist()
-            md = AttentionMetadata.build([1] * n, lens, [[perm.pop() for _ in range(-(-L // BS))] for L in lens], BS,
-                                         device=dev, decode_backend="triton")
-            ids, pos = torch.randint(0, 256, (n,), device=dev), torch.tensor([L - 1 for L in lens], device=dev)
-            kv.normal_(); saved = kv.clone()
-            got = graphs.run(ids, pos, md).clone()
-            kv.copy_(saved)
-            with torch.inference_mode(): want = tiny.compute_logits(tiny(ids, pos, md, caches))
-            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    graphs = CUDAGraphRunner(tiny, caches, BS, max_blocks=16, pad_slot=(NB - 1) * BS, max_batch=8, backend="triton").capture()
+    assert sorted(graphs.graphs) == [1, 2, 4, 8]
+    for trial, n in enumerate((1, 3, 8, 5)):
+        lens = [random.Random(trial * 10 + i).randint(1, 60) for i in range(n)]
+        perm = torch.randperm(NB - 1).tolist()
+        md = AttentionMetadata.build([1] * n, lens, [[perm.pop() for _ in range(-(-L // BS))] for L in lens], BS,
+                                     device=dev, decode_backend="triton", attention=cuda_paged_attention)
+        ids, pos = torch.randint(0, 256, (n,), device=dev), torch.tensor([L - 1 for L in lens], device=dev)
+        kv.normal_(); saved = kv.clone()
+        got = graphs.run(ids, pos, md).clone()
+        kv.copy_(saved)
+        with torch.inference_mode(): want = tiny.compute_logits(tiny(ids, pos, md, caches))
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    assert graphs.counts["replay"] == 4
 
 def test_runner_hands_attention_to_the_cuda_path_through_the_metadata():
     "The runner's `attention_fn` (set on a GPU) reaches `paged_attention` via `AttentionMetadata.attention`; on CPU with the reference kernel the logits equal the CPU path's."
@@ -259,3 +268,114 @@ def test_runner_hands_attention_to_the_cuda_path_through_the_metadata():
     torch.testing.assert_close(r.run(work), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(r.run([([10], 5, [0]), ([11], 2, [1])]), base.run([([10], 5, [0]), ([11], 2, [1])]), atol=1e-5, rtol=1e-5)
     assert calls and set(calls) == {"reference"}
+
+
+# --- CUDA graphs wired into the runner and the engine: the dispatch decision, the stand-in recorder, enforce_eager ---
+
+@pytest.mark.parametrize("step,reason,size", [
+    ((0, 1, 1, False), "replay", 1), ((0, 3, 2, False), "replay", 4), ((0, 17, 3, False), "replay", 32),
+    ((0, 32, 3, False), "replay", 32), ((1, 0, 1, False), "multi_token_rows", None), ((2, 5, 4, False), "multi_token_rows", None),
+    ((0, 4, 2, True), "all_logits", None), ((0, 33, 2, False), "batch_too_large", None),
+    ((0, 2, 9, False), "table_too_wide", None), ((0, 0, 0, False), "empty", None)])
+def test_graph_decision_names_each_step(step, reason, size):
+    p, n, w, al = step
+    d = graph_decision(p, n, w, graph_batch_sizes(32), 8, all_logits=al)
+    assert (d.replay, d.reason, d.graph_size) == (reason == "replay", reason, size)
+    assert d.padding == (size - n if size else 0)
+
+def test_enforce_eager_and_cpu_record_nothing():
+    tiny = _tiny_llama()
+    kv = torch.zeros(2, 2, 9, 4, 2, 16)
+    caches = [(kv[i, 0], kv[i, 1]) for i in range(2)]
+    g = CUDAGraphRunner(tiny, caches, 4, 4, 32, max_batch=4, backend="reference", enforce_eager=True, recorder=record_eagerly).capture()
+    assert g.graphs == {} and graph_decision(0, 1, 1, g.sizes, 4, enforce_eager=True).reason == "enforce_eager"
+    with pytest.raises(RuntimeError, match="CUDA device"):      # the real recorder refuses a CPU model
+        CUDAGraphRunner(tiny, caches, 4, 4, 32, max_batch=4, backend="reference").capture()
+    from llm_engine.runner import ModelRunner
+    r = ModelRunner(tiny, 8, 4)
+    assert attach_cuda_graphs(r, 4, 64) is None and r.replayer is None                     # CPU: graphs are CUDA only
+    assert attach_cuda_graphs(r, 4, 64, enforce_eager=True, recorder=record_eagerly, backend="reference") is None
+    with pytest.warns(UserWarning, match="cannot be recorded"):                               # a host-synchronising backend
+        assert attach_cuda_graphs(r, 4, 64, recorder=record_eagerly, backend="torch") is None
+    assert r.replayer is None and r.kv_cache.shape[2] == 9 and r.scratch_slot == 32
+
+def test_stand_in_replays_read_the_static_buffers():
+    "Record once (stand-in), then replay batches that differ in tokens, lengths and blocks: each equals the eager forward."
+    tiny, NB, BS = _tiny_llama(seed=2), 65, 4
+    kv = torch.zeros(2, 2, NB, BS, 2, 16)
+    caches = [(kv[i, 0], kv[i, 1]) for i in range(2)]
+    g = CUDAGraphRunner(tiny, caches, BS, max_blocks=8, pad_slot=(NB - 1) * BS, max_batch=8, backend="reference",
+                        recorder=record_eagerly).capture()
+    assert sorted(g.graphs) == [1, 2, 4, 8]
+    kv[:, :, :NB - 1].normal_(); kv0 = kv.clone()
+    for trial, n in enumerate((5, 8, 1, 3, 2)):
+        lens = [random.Random(trial * 31 + i).randint(1, 32) for i in range(n)]
+        perm = torch.randperm(NB - 1).tolist()
+        tables = [[perm.pop() for _ in range(-(-L // BS))] for L in lens]
+        ids, pos = torch.randint(0, 256, (n,)), torch.tensor([L - 1 for L in lens])
+        kv.copy_(kv0)
+        got = g.run(ids, pos, AttentionMetadata.build([1] * n, lens, tables, BS, decode_backend="reference")).clone()
+        assert g.last.graph_size == padded_batch_size(n, g.sizes)
+        kv.copy_(kv0)
+        with torch.inference_mode():
+            want = tiny.compute_logits(tiny(ids, pos, AttentionMetadata.build([1] * n, lens, tables, BS, decode_backend="torch"), caches))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert g.counts == {"replay": 5}
+
+def _tiny_engines(**kw):
+    from llm_engine.engine import LLM
+    from llm_engine.testing import make_tiny_model
+    d = str(make_tiny_model(tempfile.mkdtemp()))
+    opts = dict(device="cpu", max_num_seqs=8, max_model_len=128, block_size=4, kv_cache_memory="4MiB", **kw)
+    eager, graphed = LLM(d, **opts), LLM(d, **opts)
+    g = attach_cuda_graphs(graphed.engine.runner, 8, graphed.engine.max_model_len, recorder=record_eagerly, backend="reference")
+    return eager, graphed, g
+
+def test_engine_greedy_with_stand_in_graphs_equals_eager():
+    from llm_engine.sampling import SamplingParams
+    eager, graphed, g = _tiny_engines()
+    assert eager.engine.runner.replayer is None and graphed.engine.runner.replayer is g
+    prompts = [random.Random(i).sample(range(100, 5000), n) for i, n in enumerate((3, 9, 5, 14, 2, 7))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)] == want
+    assert g.counts["replay"] >= 11 and g.counts["multi_token_rows"] >= 1
+    # prompt logprobs: the prefill rows want every position's logits and run eagerly; the values match the eager engine's
+    lp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1, logprobs=2)
+    a, b = eager.generate(prompts[:2], lp, use_tqdm=False), graphed.generate(prompts[:2], lp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    for x, y in zip(a, b):
+        for p, q in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:]): assert p.keys() == q.keys()
+    bm = graphed.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+def test_spec_decode_verify_steps_run_eagerly_beside_graphs():
+    "Speculative decoding: verify rows (k+1 tokens) are multi-token rows and run eagerly; greedy output is unchanged."
+    from llm_engine.sampling import SamplingParams
+    eager, graphed, g = _tiny_engines(num_speculative_tokens=3, prompt_lookup_min=1)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    firsts = [random.Random(i).sample(range(100, 5000), n) for i, n in enumerate((6, 4, 9))]
+    conts = [o.outputs[0].token_ids for o in eager.generate(firsts, params, use_tqdm=False)]
+    prompts = [p + list(c) for p, c in zip(firsts, conts)]   # tokens this model likes to emit: a repeat proposes drafts
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    before = dict(g.counts)
+    assert [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)] == want
+    assert graphed.engine.speculator.num_drafts > 0
+    assert g.counts["multi_token_rows"] - before.get("multi_token_rows", 0) >= 2   # the prefill, then verify steps
+
+@gpu_test
+@needs_triton
+def test_engine_graphs_equal_enforce_eager_on_gpu():
+    from llm_engine.engine import LLM
+    from llm_engine.sampling import SamplingParams
+    from llm_engine.testing import make_tiny_model
+    d = str(make_tiny_model(tempfile.mkdtemp()))
+    prompts = [random.Random(i).sample(range(100, 5000), n) for i, n in enumerate((3, 9, 5, 14, 2, 7))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(d, device="cuda", enforce_eager=eager, max_model_len=256)
+        assert (llm.engine.runner.replayer is None) == eager
+        runs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if not eager: assert llm.engine.runner.replayer.counts["replay"] > 0
+    assert runs[True] == runs[False]

@@ -7,7 +7,10 @@ Sections, each PASS / FAIL / SKIP with a reason:
   gpu_tests  the pytest tests marked `cuda` in tests/test_cuda.py (skipped there without a GPU)
   parity     our Llama on the device in fp32 vs transformers on the same device: last-token logits, 32 greedy tokens
   graphs     greedy decoding through CUDAGraphRunner (captured graphs) == transformers; ms per decode step, eager vs graph
-  engine     LLM(device=...) in fp32: greedy == transformers, batch == alone, every KV block back in the free list
+  engine     LLM(device=...) in fp32 (CUDA graphs on, the default): greedy == transformers, batch == alone, every KV block back
+  engine_graphs  the engine with CUDA graphs vs `enforce_eager=True`: identical greedy tokens (fp32 and bf16), decode steps
+             replayed (counted), and ms per output token with and without graphs at batch 1 and 8 (measured, never asserted);
+             on the CPU, the same plumbing through the stand-in recorder (`record_eagerly`), no timing
   throughput LLM(device=...) vs transformers `generate` one request at a time, same GPU, same dtype (the claim: ~15x)
 
 Exit status: 0 all checks that ran passed, 1 a check failed, 2 the machine cannot run the checks.
@@ -296,8 +299,10 @@ def check_engine(ctx: Ctx):
     llm = LLM(str(ctx.model_path), dtype="float32", **kw)
     where = next(llm.engine.model.parameters()).device.type
     backend = getattr(getattr(llm.engine, "runner", None), "attention_backend", "?")
+    g = getattr(llm.engine.runner, "replayer", None)
+    graphs = f"CUDA graphs {sorted(g.graphs)}" if g is not None else "no CUDA graphs"
     out = [Check("engine", "PASS" if where == ctx.device.type else "FAIL",
-                 f"engine weights on {where} (asked: {ctx.device.type}); runner's decode backend: {backend!r}")]
+                 f"engine weights on {where} (asked: {ctx.device.type}); runner's decode backend: {backend!r}; {graphs}")]
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     free0 = llm.engine.block_manager.num_free_blocks
     together = [o.outputs[0].token_ids for o in llm.generate(ctx.prompts, sp, use_tqdm=False)]
@@ -310,6 +315,59 @@ def check_engine(ctx: Ctx):
     free1 = llm.engine.block_manager.num_free_blocks
     out.append(Check("engine", "PASS" if free1 == free0 else "FAIL", f"free KV blocks after the runs: {free1} of {free0}"))
     del llm; free_memory(ctx.device)
+    return out
+
+def _graph_engines(ctx: Ctx, dtype: str, **kw):
+    "Two engines on the device, graphs (or, on the CPU, the stand-in recorder) and enforce_eager; the graph runner."
+    from llm_engine.engine import LLM
+    from llm_engine.cuda import attach_cuda_graphs, record_eagerly
+    base, why = _engine_kwargs(ctx)
+    if why: return None, why
+    from llm_engine.config import EngineConfig
+    if "enforce_eager" not in EngineConfig.__dataclass_fields__: return None, "EngineConfig has no `enforce_eager` field (graphs not wired in)"
+    opts = dict(dtype=dtype, **base, **kw)
+    eager, graphed = LLM(str(ctx.model_path), enforce_eager=True, **opts), LLM(str(ctx.model_path), **opts)
+    if ctx.device.type != "cuda":      # no graphs off CUDA: exercise the same plumbing with the stand-in recorder
+        attach_cuda_graphs(graphed.engine.runner, graphed.engine.config.scheduler.max_num_seqs, graphed.engine.max_model_len,
+                           recorder=record_eagerly, backend="reference")
+    return (eager, graphed, graphed.engine.runner.replayer), None
+
+def _ms_per_token(llm, prompts, n, dev) -> float:
+    from llm_engine.sampling import SamplingParams
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)   # warm-up
+    sync(dev); t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    sync(dev)
+    return (time.perf_counter() - t) * 1e3 / max(1, max(len(o.outputs[0].token_ids) for o in outs))
+
+def check_engine_graphs(ctx: Ctx):
+    from llm_engine.sampling import SamplingParams
+    dev, n, out = ctx.device, ctx.args.tokens, []
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    for dtype in ("float32", "bfloat16") if dev.type == "cuda" else ("float32",):
+        small = {} if dev.type == "cuda" else dict(max_num_seqs=4, kv_cache_memory="64MiB")   # the CPU stand-in is slow: keep it small
+        got, why = _graph_engines(ctx, dtype, max_model_len=1024 if dev.type == "cuda" else 128, **small)
+        if why: return [Check("engine_graphs", "SKIP", why)]
+        eager, graphed, g = got
+        if g is None:
+            out.append(Check("engine_graphs", "FAIL" if dev.type == "cuda" else "SKIP", f"{dtype}: no graphs attached to the engine's runner"))
+            continue
+        a = [o.outputs[0].token_ids for o in eager.generate(ctx.prompts, sp, use_tqdm=False)]
+        b = [o.outputs[0].token_ids for o in graphed.generate(ctx.prompts, sp, use_tqdm=False)]
+        bad = [(i, first_divergence(x, y)) for i, (x, y) in enumerate(zip(a, b)) if list(x) != list(y)]
+        kind = f"graphs {sorted(g.graphs)}" if dev.type == "cuda" else "stand-in recorder (CPU)"
+        out.append(Check("engine_graphs", "FAIL" if bad or not g.counts["replay"] else "PASS",
+                         f"{dtype} greedy {n} tokens, {kind} vs enforce_eager: " + (f"differ at {bad}" if bad else "identical")
+                         + f"; decisions {dict(g.counts)}"))
+        if dev.type == "cuda" and dtype == "bfloat16":
+            rng = random.Random(1)
+            for batch in (1, 8):
+                ps = [[rng.randrange(3, 49000) for _ in range(16)] for _ in range(batch)]
+                e_ms, g_ms = _ms_per_token(eager, ps, 128, dev), _ms_per_token(graphed, ps, 128, dev)
+                out.append(Check("engine_graphs", "PASS", f"bf16 decode, batch {batch}, 128 tokens: eager {e_ms:.2f} ms/step, "
+                                 f"graphs {g_ms:.2f} ms/step ({e_ms / g_ms:.1f}x; measured, not asserted)"))
+        del eager, graphed, g; free_memory(dev)
     return out
 
 def check_throughput(ctx: Ctx):
@@ -349,7 +407,7 @@ def check_throughput(ctx: Ctx):
                   + ("" if ok else f"; engine produced {n_engine} tokens, expected {a.requests * a.max_tokens}"))]
 
 SECTIONS = {"env": check_env, "kernel": check_kernel, "gpu_tests": check_gpu_tests, "parity": check_parity, "graphs": check_graphs,
-            "engine": check_engine, "throughput": check_throughput}
+            "engine": check_engine, "engine_graphs": check_engine_graphs, "throughput": check_throughput}
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

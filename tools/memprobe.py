@@ -15,7 +15,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak import rss_mib, run_soak, tiny_model, settle
-from llm_engine.bench import _free_port
+from llm_engine.testing import _free_port
 
 def _libc(): return ctypes.CDLL("libc.so.6")
 
