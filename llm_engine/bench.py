@@ -297,7 +297,8 @@ ids = [tok.encode(p, add_special_tokens=False).input_ids for p in a["prompts"]]
 def config(n):
     g = ov.GenerationConfig(); g.max_new_tokens = g.min_new_tokens = n; g.ignore_eos = True; g.do_sample = False
     return g
-pipe.generate(ids[:2], [config(4)] * len(ids[:2]))          # warm-up: compilation and first allocations
+warm = [tok.encode(p, add_special_tokens=False).input_ids for p in a["warmup"]]
+pipe.generate(warm, [config(4)] * len(warm))     # warm-up on other prompts: compilation, first allocations, batch shapes
 t = time.perf_counter()
 out = pipe.generate(ids, [config(a["max_tokens"])] * len(ids))
 dt = time.perf_counter() - t
@@ -305,9 +306,13 @@ print(json.dumps(dict(seconds=dt, output_tokens=sum(len(r.m_generation_ids[0]) f
                       peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))))
 """
 
+def _warmup(reqs) -> list[TextRequest]:
+    "As many prompts of the same lengths but other words, 4 tokens each: warms every batch shape without a prefix-cache hit."
+    return [TextRequest(" ".join(reversed(r.prompt.split())), 4) for r in reqs]
+
 def run_offline_peer(peer: Peer, reqs, timeout=1800) -> dict:
     "All of `reqs` as one batch through an offline peer's runner, in its own Python: `{seconds, output_tokens, tok_s, peak_rss_mb}`."
-    args = dict(model=peer.model, prompts=[r.prompt for r in reqs], max_tokens=reqs[0].max_tokens, **peer.config)
+    args = dict(model=peer.model, prompts=[r.prompt for r in reqs], max_tokens=reqs[0].max_tokens, warmup=[r.prompt for r in _warmup(reqs)], **peer.config)
     p = subprocess.run(peer.cmd, input=json.dumps(args), capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0: raise RuntimeError(((p.stderr or p.stdout).strip().splitlines() or [f"exit code {p.returncode}"])[-1][:300])
     r = json.loads(p.stdout.strip().splitlines()[-1])
@@ -425,7 +430,7 @@ def _run_ours(reqs, threads, n, num_blocks, log_dir) -> tuple[dict, list]:
     http = run_http_system("llm_engine", cmd, reqs, (1, n), {"ignore_eos": True}, log=log_dir / "llm_engine.log")
     llm = LLM(num_threads=threads, max_num_seqs=n, num_blocks=num_blocks)
     ids = [Request(llm.engine.tokenizer(r.prompt)["input_ids"], r.max_tokens) for r in reqs]   # as the server tokenizes them
-    bench_engine(llm, [Request(q.prompt_token_ids, 4) for q in ids[:2]])                         # warm-up
+    bench_engine(llm, [Request(llm.engine.tokenizer(r.prompt)["input_ids"], r.max_tokens) for r in _warmup(reqs)])   # as the peers
     off = bench_engine(llm, ids)
     del llm
     return asdict(PeerRow.from_runs("llm_engine", http, off, f"fp32, {threads} threads")), http
