@@ -28,11 +28,14 @@ HELP = {
     "num_speculative_tokens": "speculative decoding: draft tokens proposed by prompt lookup and verified per step (0: off)",
     "prompt_lookup_min": "shortest n-gram that proposes drafts", "prompt_lookup_max": "longest n-gram tried first",
     "enforce_eager": "no CUDA graphs: run every step eagerly (graphs are recorded only on CUDA; a no-op on CPU and MPS)",
+    "scheduling_policy": "which waiting request of a priority starts first: fcfs (arrival) or sjf (shortest prompt; earlier first tokens when many arrive at once)",
+    "sjf_max_wait": "under sjf, seconds after which the queue's head goes first whatever its length",
 }
 FLAGS = {"num_threads": ["--threads", "--num-threads"], "enable_prefix_caching": ["--no-prefix-caching"]}
 SKIP = {"seed", "cache", "scheduler", "speculative"}   # the engine seed is not a CLI knob; sub-configs are flattened
 SIZES = {"kv_cache_memory", "swap_space", "max_body_bytes"}
-CHOICES = {"attention_backend": ["auto", "cpp", "torch", "triton"], "tool_call_parser": ["hermes"], "stream_stall_action": ["pause", "abort"]}
+CHOICES = {"attention_backend": ["auto", "cpp", "torch", "triton"], "tool_call_parser": ["hermes"], "stream_stall_action": ["pause", "abort"],
+           "scheduling_policy": ["fcfs", "sjf"]}
 
 def _arg_type(name, t: str):
     if name in SIZES: return str

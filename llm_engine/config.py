@@ -120,10 +120,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 1024  # tokens one forward pass may process (the chunked-prefill budget)
     max_model_len: int|None = None      # prompt + output; defaults to the model's context
     max_waiting: int = 1024             # queued requests before new ones are refused
+    scheduling_policy: str = "fcfs"   # waiting requests of one priority: "fcfs" (by arrival) or "sjf" (shortest prompt first)
+    sjf_max_wait: float = 5.0           # under "sjf", a request queued longer than this (s) goes first whatever its length
 
     def __post_init__(self):
         if self.max_num_seqs < 1: raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1: raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.scheduling_policy not in ("fcfs", "sjf"): raise ValueError(f"scheduling_policy must be 'fcfs' or 'sjf', not {self.scheduling_policy!r}")
+        if not self.sjf_max_wait >= 0: raise ValueError("sjf_max_wait must be >= 0")
 
 @dataclass
 class SpeculativeConfig:

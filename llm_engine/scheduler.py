@@ -207,11 +207,23 @@ def _schedule_swapped(self: Scheduler, out: SchedulerOutput, budget: int) -> tup
     return budget, None
 
 @patch
+def _next_waiting(self: Scheduler) -> Sequence:
+    "The waiting sequence to admit next: the queue's head, or under `sjf` the shortest of the head's priority."
+    head = self.waiting[0][1]
+    if self.cfg.scheduling_policy != "sjf" or time.perf_counter() - head.arrival_time > self.cfg.sjf_max_wait: return head
+    return min((s for _, s in self.waiting if s.priority == head.priority), key=lambda s: (s.num_tokens, s.sort_key))
+
+@patch
+def _take_waiting(self: Scheduler, seq: Sequence):
+    if self.waiting[0][1] is seq: heapq.heappop(self.waiting)
+    else: self.waiting = [(k, s) for k, s in self.waiting if s is not seq]; heapq.heapify(self.waiting)
+
+@patch
 def _schedule_waiting(self: Scheduler, out: SchedulerOutput, budget: int) -> tuple[int, str|None]:
     while self.waiting:
-        seq = self.waiting[0][1]
+        seq = self._next_waiting()
         if cause := self._blocked(budget, self.bm.blocks_for(seq.num_tokens)): return budget, cause
-        heapq.heappop(self.waiting)
+        self._take_waiting(seq)
         seq.num_computed = self.bm.allocate(seq.seq_id, seq.token_ids, getattr(seq.params, "prompt_logprobs", None) is None)
         seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed)
         n = min(seq.remaining, budget)
