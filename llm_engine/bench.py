@@ -9,9 +9,12 @@ from dataclasses import dataclass, asdict
 import torch
 
 # %% auto 0
-__all__ = ['OFFLINE_COLS', 'HTTP_COLS', 'BENCH_SCHEMA', 'STRUCTURED_COLS', 'Request', 'make_workload', 'bench_hf_sequential',
-           'bench_hf_static', 'bench_engine', 'run_benchmark', 'format_table', 'main', 'bench_http',
-           'llama_cpp_available', 'run_http_sweep', 'plot_sweep', 'bench_structured']
+__all__ = ['OFFLINE_COLS', 'HTTP_COLS', 'WORDS', 'OV_RUNNER', 'PEER_COLS', 'BENCH_SCHEMA', 'STRUCTURED_COLS', 'Request',
+           'make_workload', 'bench_hf_sequential', 'bench_hf_static', 'bench_engine', 'run_benchmark', 'format_table',
+           'main', 'bench_http_text', 'bench_http', 'llama_cpp_available', 'run_http_sweep', 'plot_sweep',
+           'TextRequest', 'make_text_workload', 'Peer', 'peers_dir', 'run_offline_peer', 'find_peers',
+           'run_http_system', 'PeerRow', 'format_peer_table', 'run_peers', 'plot_peers', 'peers_main',
+           'bench_structured']
 
 # %% ../nbs/12_benchmarks.ipynb
 @dataclass
@@ -101,10 +104,15 @@ def main(argv=None):
     ap.add_argument("--requests", type=int, default=32); ap.add_argument("--hf-subset", type=int, default=None, help="run the transformers baselines on the first K requests only (default: all)")
     ap.add_argument("--seed", type=int, default=0); ap.add_argument("--model", default=None)
     ap.add_argument("--quick", action="store_true", help="tiny workload, to check the harness runs")
-    ap.add_argument("--out", default="bench_results/bench.json")
+    ap.add_argument("--out", default=None, help="where the JSON goes (default: bench_results/bench.json, or peers.json with --peers)")
+    ap.add_argument("--peers", action="store_true", help="llm_engine against llama.cpp, OpenVINO GenAI and vLLM, whichever are installed in --peers-dir")
+    ap.add_argument("--peers-dir", default=None, help="with --peers: the peers folder (default: $LLM_ENGINE_PEERS, else ~/.cache/llm_engine/peers; tools/setup_peers.sh builds it)")
+    ap.add_argument("--only", default=None, help="with --peers: comma-separated parts of peer names to run, e.g. 'llama,openvino'")
+    ap.add_argument("--threads", type=int, default=2, help="with --peers: threads for every system")
     ap.add_argument("--no-http", action="store_true", help="skip the HTTP servers and the concurrency sweep")
     ap.add_argument("--structured", action="store_true", help="only the cost of constrained decoding at batch 32 (free vs JSON Schema)")
     a = ap.parse_args(argv)
+    if a.peers: return peers_main(a)
     if a.structured:
         res = bench_structured(**(dict(batch=4, max_tokens=8) if a.quick else {}), seed=a.seed, model=a.model)
         print(format_table(res, STRUCTURED_COLS)); return res
@@ -118,7 +126,7 @@ def main(argv=None):
         print(format_table({"rows": res["http"]}, HTTP_COLS))
         if not llama_cpp_available() and not a.quick: print("llama.cpp: not installed (pip install 'llama-cpp-python[server]'), skipped")
     from pathlib import Path
-    out = Path(a.out); out.parent.mkdir(parents=True, exist_ok=True); out.write_text(json.dumps(res, indent=2))
+    out = Path(a.out or "bench_results/bench.json"); out.parent.mkdir(parents=True, exist_ok=True); out.write_text(json.dumps(res, indent=2))
     if res.get("http"):
         import matplotlib; matplotlib.use("Agg")
         plot_sweep(res["http"])[0].figure.savefig(out.with_suffix(".png"), dpi=120, bbox_inches="tight")
@@ -126,7 +134,7 @@ def main(argv=None):
     return 0
 
 # %% ../nbs/12_benchmarks.ipynb
-import asyncio, os, socket, subprocess, sys
+import asyncio, os, socket, subprocess, sys, tempfile
 import httpx
 from .metrics import percentiles
 from .testing import ServerProcess   # the server-process helper lives with the test helpers
@@ -169,18 +177,22 @@ async def _drive(base, prompts, max_tokens, concurrency, body_extra, stats=False
         if poller: await poller
     return results, (kv_peak if stats else None)
 
-def bench_http(name, server: ServerProcess, reqs, tokenizer, concurrency, body_extra=None, stats=False):
-    "One system over HTTP at one concurrency: tokens/s, TTFT and TPOT percentiles, peak RSS, KV peak."
-    prompts = [tokenizer.decode(r.prompt_token_ids) for r in reqs]
+def bench_http_text(name, server: ServerProcess, prompts, max_tokens, concurrency, body_extra=None, stats=False):
+    "One system over HTTP at one concurrency on text prompts: tokens/s, TTFT and TPOT percentiles, peak RSS, KV peak."
     t = time.perf_counter()
-    res, kv_peak = asyncio.run(_drive(server.base, prompts, [r.max_tokens for r in reqs], concurrency, body_extra or {}, stats))
+    res, kv_peak = asyncio.run(_drive(server.base, prompts, max_tokens, concurrency, body_extra or {}, stats))
     dt = time.perf_counter() - t
     toks = sum(r["tokens"] for r in res)
     ttft, tpot = percentiles([r["ttft"] for r in res], (50, 99)), percentiles([r["tpot"] for r in res], (50, 99))
     ms = lambda v: None if v is None else round(v * 1e3, 1)
-    return dict(system=name, concurrency=concurrency, requests=len(reqs), output_tokens=toks, seconds=round(dt, 2),
+    return dict(system=name, concurrency=concurrency, requests=len(prompts), output_tokens=toks, seconds=round(dt, 2),
                 tok_s=round(toks / dt, 1), ttft_ms_p50=ms(ttft[50]), ttft_ms_p99=ms(ttft[99]), tpot_ms_p50=ms(tpot[50]),
                 tpot_ms_p99=ms(tpot[99]), peak_rss_mb=_peak_rss_mb(server.proc.pid), kv_blocks_peak=kv_peak)
+
+def bench_http(name, server: ServerProcess, reqs, tokenizer, concurrency, body_extra=None, stats=False):
+    "`bench_http_text` on token-id requests (decoded to text first)."
+    return bench_http_text(name, server, [tokenizer.decode(r.prompt_token_ids) for r in reqs], [r.max_tokens for r in reqs],
+                           concurrency, body_extra, stats)
 
 def llama_cpp_available() -> bool:
     import importlib.util
@@ -220,6 +232,268 @@ def plot_sweep(rows, ax=None):
         ax[1].plot([r["concurrency"] for r in rs], [r["ttft_ms_p99"] for r in rs], marker="x", ls="--", label=f"{name} TTFT p99")
     for a, t in zip(ax, ("output tokens/s", "ms")): a.set_xscale("log", base=2); a.set_xlabel("concurrent clients"); a.set_ylabel(t); a.legend(fontsize=7)
     return ax
+
+# %% ../nbs/12_benchmarks.ipynb
+from dataclasses import field
+from pathlib import Path
+import shlex
+
+WORDS = tuple(dict.fromkeys("""the of and to in is was that for on with as by at from it an were are which this be or has had not but
+first one their its new after who they have her she two been other when there all during into school time may years more most
+only over city some world would where later up such used many can state about national out known university united then made
+three people river house water small under while each film before series team music between since long government through
+however both number family life called year part early season high around well game back against area found among second name
+took several group war because great work including following system light garden morning letter story market window road
+bridge village engine cloud winter summer question answer""".split()))
+
+@dataclass
+class TextRequest:
+    prompt: str
+    max_tokens: int
+
+def make_text_workload(n=32, words=(20, 150), max_tokens=64, seed=0) -> list[TextRequest]:
+    "The peers' workload: `n` seeded prompts of `words` English words each, every one asking for `max_tokens` tokens."
+    rng = random.Random(seed)
+    return [TextRequest(" ".join(rng.choices(WORDS, k=rng.randint(*words))).capitalize() + ".", max_tokens) for _ in range(n)]
+
+# %% ../nbs/12_benchmarks.ipynb
+from .config import cache_root
+from .model import default_gguf_path
+
+@dataclass
+class Peer:
+    "One system of the comparison, as found in the peers folder; `reason` says why it is skipped (None: it runs)."
+    name: str
+    kind: str                 # "http": a server measured with 1 and N clients; "offline": one batch in a subprocess
+    cmd: list                 # the server's command line ("{port}" is filled in), or the offline runner's command
+    model: str
+    note: str = ""
+    config: dict = field(default_factory=dict)   # extra request body fields (http) or runner settings (offline)
+    reason: str|None = None
+
+def peers_dir(path=None) -> Path:
+    "`--peers-dir`, else `$LLM_ENGINE_PEERS`, else `~/.cache/llm_engine/peers` (built by `tools/setup_peers.sh`)."
+    return Path(path or os.environ.get("LLM_ENGINE_PEERS") or cache_root() / "peers").expanduser()
+
+def _missing(*paths) -> str|None:
+    return next((f"{p} not found (see tools/setup_peers.sh)" for p in paths if not Path(p).exists()), None)
+
+def _probe(cmd, timeout=300) -> str|None:
+    "Run `cmd`: None if it succeeds, else the last line it printed (a skipped peer's reason)."
+    try: p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e: return f"{Path(cmd[0]).name}: {e}"
+    if p.returncode == 0: return None
+    lines = (p.stdout + "\n" + p.stderr).strip().splitlines()
+    return (lines[-1].strip() if lines else f"{Path(cmd[0]).name} exited with {p.returncode}")[:300]
+
+# %% ../nbs/12_benchmarks.ipynb
+OV_RUNNER = r"""
+import json, resource, sys, time
+import openvino_genai as ov
+a = json.load(sys.stdin)
+pipe = ov.ContinuousBatchingPipeline(a["model"], ov.SchedulerConfig(), "CPU", a["properties"])
+tok = pipe.get_tokenizer()
+ids = [tok.encode(p, add_special_tokens=False).input_ids for p in a["prompts"]]
+def config(n):
+    g = ov.GenerationConfig(); g.max_new_tokens = g.min_new_tokens = n; g.ignore_eos = True; g.do_sample = False
+    return g
+warm = [tok.encode(p, add_special_tokens=False).input_ids for p in a["warmup"]]
+pipe.generate(warm, [config(4)] * len(warm))     # warm-up on other prompts: compilation, first allocations, batch shapes
+t = time.perf_counter()
+out = pipe.generate(ids, [config(a["max_tokens"])] * len(ids))
+dt = time.perf_counter() - t
+print(json.dumps(dict(seconds=dt, output_tokens=sum(len(r.m_generation_ids[0]) for r in out),
+                      peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))))
+"""
+
+def _warmup(reqs) -> list[TextRequest]:
+    "As many prompts of the same lengths but other words, 4 tokens each: warms every batch shape without a prefix-cache hit."
+    return [TextRequest(" ".join(reversed(r.prompt.split())), 4) for r in reqs]
+
+def run_offline_peer(peer: Peer, reqs, timeout=1800) -> dict:
+    "All of `reqs` as one batch through an offline peer's runner, in its own Python: `{seconds, output_tokens, tok_s, peak_rss_mb}`."
+    args = dict(model=peer.model, prompts=[r.prompt for r in reqs], max_tokens=reqs[0].max_tokens, warmup=[r.prompt for r in _warmup(reqs)], **peer.config)
+    p = subprocess.run(peer.cmd, input=json.dumps(args), capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0: raise RuntimeError(((p.stderr or p.stdout).strip().splitlines() or [f"exit code {p.returncode}"])[-1][:300])
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    return dict(r, seconds=round(r["seconds"], 2), tok_s=round(r["output_tokens"] / r["seconds"], 1))
+
+# %% ../nbs/12_benchmarks.ipynb
+def _llama_cpp_peers(d: Path, threads, n, ctx) -> list[Peer]:
+    server, out = d / "llama.cpp/build/bin/llama-server", []
+    for name, model, note in (("llama.cpp F32", d / "models/smollm2-f32.gguf", "F32 GGUF of the same weights; f16 KV cache (its default)"),
+                              ("llama.cpp Q4_1", default_gguf_path(), "the Q4_1 GGUF the weights come from")):
+        cmd = [str(server), "-m", str(model), "--host", "127.0.0.1", "--port", "{port}", "-t", str(threads), "-tb", str(threads),
+               "--parallel", str(n), "-c", str(n * ctx)]     # n slots of ctx tokens each
+        out.append(Peer(name, "http", cmd, str(model), note, reason=_missing(server, model) or _probe([server, "--version"])))
+    return out
+
+def _openvino_peers(d: Path, threads) -> list[Peer]:
+    py = d / "openvino/bin/python"
+    probe = _missing(py) or _probe([py, "-c", "import openvino_genai"])
+    f32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+    return [Peer(name, "offline", [str(py), "-c", OV_RUNNER], str(d / "models" / folder), note,
+                 config=dict(properties={"INFERENCE_NUM_THREADS": threads, **props}), reason=_missing(d / "models" / folder / "openvino_model.xml") or probe)
+            for name, folder, props, note in (("OpenVINO GenAI fp32", "ov-fp32", f32, "fp32 export; f32 inference and KV cache"),
+                                              ("OpenVINO GenAI default", "ov-default", {}, "default export and runtime config (bf16 compute, u8 KV cache on AVX512_BF16)"))]
+
+def _vllm_peers(d: Path, threads, n, ctx) -> list[Peer]:
+    py, model = d / "vllm/bin/python", d / "models/hf"
+    env = ["env", "VLLM_TARGET_DEVICE=cpu", "VLLM_CPU_KVCACHE_SPACE=2", f"VLLM_CPU_OMP_THREADS_BIND=0-{threads - 1}", f"OMP_NUM_THREADS={threads}",
+           "VLLM_NO_USAGE_STATS=1", "HF_HUB_OFFLINE=1", "TRANSFORMERS_OFFLINE=1"]
+    cmd = env + [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "smollm2",
+                 "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "{port}", "--max-num-seqs", str(n), "--max-model-len", str(ctx)]
+    probe = _missing(py, model / "config.json") or _probe([py, "-c", "import vllm.entrypoints.openai.api_server; from vllm.platforms import current_platform as p; assert p.is_cpu(), p"])
+    return [Peer("vLLM CPU", "http", cmd, str(model), "bf16", config=dict(body={"model": "smollm2"}), reason=probe)]
+
+def find_peers(path=None, threads=2, n=32, ctx=512) -> list[Peer]:
+    "Every peer the comparison knows, each with the reason it cannot run (None if it can), from the peers folder `path`."
+    d = peers_dir(path)
+    return _llama_cpp_peers(d, threads, n, ctx) + _openvino_peers(d, threads) + _vllm_peers(d, threads, n, ctx)
+
+# %% ../nbs/12_benchmarks.ipynb
+def _logged(cmd, log: Path) -> list:
+    "`cmd` with its output going to `log` (read back when it fails to start); `exec` keeps the server's pid for its RSS."
+    return ["sh", "-c", f"exec {shlex.join(cmd)} >{shlex.quote(str(log))} 2>&1"]
+
+def _log_tail(log: Path) -> str:
+    lines = [l for l in (log.read_text(errors="replace") if log.exists() else "").splitlines() if l.strip()]
+    return lines[-1].strip()[:300] if lines else "no output"
+
+def run_http_system(name, cmd, reqs, concurrencies, body_extra=None, log=None, timeout=1800) -> list[dict]:
+    "Start a server, warm it up with one short request, then measure it at each concurrency on all of `reqs`."
+    log = Path(log or tempfile.mkstemp(suffix=".log")[1])
+    try: srv = ServerProcess(_logged(cmd, log), timeout=timeout)
+    except RuntimeError as e: raise RuntimeError(f"did not start: {_log_tail(log)}") from e
+    with srv:
+        asyncio.run(_drive(srv.base, ["A request that only warms the server up."], [4], 1, body_extra or {}))   # not a workload prompt: no prefix-cache hit
+        return [bench_http_text(name, srv, [r.prompt for r in reqs], [r.max_tokens for r in reqs], c, body_extra) for c in concurrencies]
+
+# %% ../nbs/12_benchmarks.ipynb
+@dataclass
+class PeerRow:
+    "One system's line of the comparison (None where it was not measured that way)."
+    system: str
+    c1_tok_s: float|None = None
+    c1_tpot_ms_p50: float|None = None
+    cn_tok_s: float|None = None
+    cn_ttft_ms_p50: float|None = None
+    cn_ttft_ms_p99: float|None = None
+    offline_tok_s: float|None = None
+    peak_rss_mb: int|None = None
+    note: str = ""
+
+    @classmethod
+    def from_runs(cls, system, http=(), offline=None, note=""):
+        "From `bench_http` rows (concurrency 1 and N) and/or a `run_offline_peer` result."
+        c1 = next((r for r in http if r["concurrency"] == 1), None)
+        cn = next((r for r in http if r["concurrency"] > 1), None)
+        rss = [r["peak_rss_mb"] for r in [*http, offline or {}] if r.get("peak_rss_mb")]
+        get = lambda r, k: r[k] if r else None
+        return cls(system, get(c1, "tok_s"), get(c1, "tpot_ms_p50"), get(cn, "tok_s"), get(cn, "ttft_ms_p50"),
+                   get(cn, "ttft_ms_p99"), get(offline, "tok_s"), max(rss, default=None), note)
+
+# %% ../nbs/12_benchmarks.ipynb
+PEER_COLS = {"c1_tok_s": "1 client tok/s", "c1_tpot_ms_p50": "TPOT p50 ms", "cn_tok_s": "{n} clients tok/s",
+             "cn_ttft_ms_p50": "TTFT p50 ms", "cn_ttft_ms_p99": "TTFT p99 ms", "offline_tok_s": "offline batch tok/s"}
+
+def _ratio(ours, theirs): return round(ours / theirs, 2) if ours and theirs else None
+
+def format_peer_table(res, ours="llm_engine") -> str:
+    "Markdown table of `run_peers`' result: each value, and after a peer's the ratio llm_engine / peer; then the skipped peers."
+    n, base = res["workload"]["requests"], next((r for r in res["rows"] if r["system"] == ours), {})
+    head = ["system", *(h.format(n=n) for h in PEER_COLS.values())]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in res["rows"]:
+        cells = [r["system"]]
+        for k in PEER_COLS:
+            x = _ratio(base.get(k), r.get(k)) if r is not base else None
+            cells.append("—" if r.get(k) is None else f"{r[k]:g}" + (f" ({x:g}x)" if x is not None else ""))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append(f"(r.rrx) = {ours}'s value / the peer's, same run: above 1 is better for {ours} in tok/s, below 1 in ms.")
+    lines += [f"{r['system']}: {r['note']}" for r in res["rows"] if r.get("note")]
+    lines += [f"skipped {s['system']}: {s['reason']}" for s in res.get("skipped", [])]
+    return "\n".join(lines)
+
+# %% ../nbs/12_benchmarks.ipynb
+def _machine() -> str:
+    import platform
+    flags = next((l for l in open("/proc/cpuinfo") if l.startswith("flags")), "") if Path("/proc/cpuinfo").exists() else ""
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f" {f}" in flags]
+    model = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.machine()) if flags else platform.machine()
+    return f"{model}, {os.cpu_count()} cores ({' '.join(isa)}), torch {torch.__version__}"
+
+def _run_ours(reqs, threads, n, num_blocks, log_dir) -> tuple[dict, list]:
+    from llm_engine.engine import LLM
+    cmd = [sys.executable, "-m", "llm_engine.cli", "serve", "--port", "{port}", "--log-level", "warning", "--threads", str(threads),
+           "--num-blocks", str(num_blocks), "--max-num-seqs", str(n)]
+    http = run_http_system("llm_engine", cmd, reqs, (1, n), {"ignore_eos": True}, log=log_dir / "llm_engine.log")
+    llm = LLM(num_threads=threads, max_num_seqs=n, num_blocks=num_blocks)
+    ids = [Request(llm.engine.tokenizer(r.prompt)["input_ids"], r.max_tokens) for r in reqs]   # as the server tokenizes them
+    bench_engine(llm, [Request(llm.engine.tokenizer(r.prompt)["input_ids"], r.max_tokens) for r in _warmup(reqs)])   # as the peers
+    off = bench_engine(llm, ids)
+    del llm
+    return asdict(PeerRow.from_runs("llm_engine", http, off, f"fp32, {threads} threads")), http
+
+# %% ../nbs/12_benchmarks.ipynb
+def _short(note, runs, want) -> str:
+    "The row's note, plus a warning for any run that produced other than `want` tokens (ignore_eos not honoured)."
+    bad = [r["output_tokens"] for r in runs if r["output_tokens"] != want]
+    return note + (f"; WARNING: produced {bad} output tokens, not {want}" if bad else "")
+
+def run_peers(n=32, max_tokens=64, words=(20, 150), threads=2, seed=0, path=None, only=None, num_blocks=1024, ctx=512, log_dir=None) -> dict:
+    "llm_engine and every installed peer on one workload, in one run: `{machine, workload, rows, skipped, http}`."
+    reqs = make_text_workload(n, words, max_tokens, seed)
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="llm_engine_peers_")); log_dir.mkdir(parents=True, exist_ok=True)
+    row, http = _run_ours(reqs, threads, n, num_blocks, log_dir)
+    rows, skipped = [row], []
+    for p in find_peers(path, threads, n, ctx):
+        if only and not any(o.lower() in p.name.lower() for o in only): continue
+        if p.reason: skipped.append(dict(system=p.name, reason=p.reason)); continue
+        print(f"running {p.name} ...", file=sys.stderr, flush=True)
+        try:
+            if p.kind == "http":
+                h = run_http_system(p.name, p.cmd, reqs, (1, n), {"ignore_eos": True, **p.config.get("body", {})},
+                                    log=log_dir / f"{p.name.replace(' ', '_')}.log")
+                http += h; rows.append(asdict(PeerRow.from_runs(p.name, h, note=_short(p.note, h, n * max_tokens))))
+            else:
+                off = run_offline_peer(p, reqs)
+                rows.append(asdict(PeerRow.from_runs(p.name, offline=off, note=_short(p.note, [off], n * max_tokens))))
+        except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired, httpx.HTTPError) as e:
+            skipped.append(dict(system=p.name, reason=f"failed: {e}"[:300]))
+    return dict(machine=_machine(), workload=dict(requests=n, words=words, max_tokens=max_tokens, threads=threads, seed=seed,
+                                                  peers_dir=str(peers_dir(path)), logs=str(log_dir)), rows=rows, skipped=skipped, http=http)
+
+# %% ../nbs/12_benchmarks.ipynb
+def plot_peers(res, axes=None, title=None):
+    "Three panels from `run_peers`' result: 1-client TPOT p50, N-client tokens/s, offline tokens/s; llm_engine in blue."
+    import matplotlib.pyplot as plt
+    if axes is None: _, axes = plt.subplots(1, 3, figsize=(15, 3.2))
+    n = res["workload"]["requests"]
+    for ax, k, label in zip(axes, ("c1_tpot_ms_p50", "cn_tok_s", "offline_tok_s"),
+                            ("1 client: TPOT p50, ms (lower is better)", f"{n} clients: output tokens/s", f"offline batch of {n}: output tokens/s")):
+        rs = [r for r in res["rows"] if r.get(k) is not None][::-1]
+        ax.barh([r["system"] for r in rs], [r[k] for r in rs], color=["tab:blue" if r["system"] == "llm_engine" else "0.6" for r in rs])
+        for y, r in enumerate(rs): ax.text(r[k], y, f" {r[k]:g}", va="center", fontsize=8)
+        ax.set_xlabel(label); ax.set_xlim(0, 1.25 * max((r[k] for r in rs), default=1))
+    if title: axes[0].figure.suptitle(title, fontsize=10)
+    axes[0].figure.tight_layout()
+    return axes
+
+# %% ../nbs/12_benchmarks.ipynb
+def peers_main(a) -> int:
+    "`llm-engine bench --peers` (arguments parsed by `main`): the table, then the JSON and its picture at `--out`."
+    if a.model: raise SystemExit("--peers runs the embedded default model (every peer is built from it); drop --model")
+    kw = dict(n=4, max_tokens=8) if a.quick else dict(n=a.requests)
+    res = run_peers(threads=a.threads, seed=a.seed, path=a.peers_dir, only=a.only and a.only.split(","), **kw)
+    res["workload"]["quick"] = a.quick
+    print(res["machine"]); print(format_peer_table(res))
+    out = Path(a.out or "bench_results/peers.json"); out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    import matplotlib; matplotlib.use("Agg")
+    plot_peers(res, title=res["machine"] + (" (quick)" if a.quick else ""))[0].figure.savefig(out.with_suffix(".png"), dpi=120, bbox_inches="tight")
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
 
 # %% ../nbs/12_benchmarks.ipynb
 BENCH_SCHEMA = {"type": "array", "minItems": 64, "items": {"type": "object", "properties": {
