@@ -597,7 +597,9 @@ def serve(server: ServerConfig|None = None, engine=None, **engine_kw):
     from llm_engine.config import EngineConfig
     s = server or ServerConfig()
     nofile = raise_open_file_limit()
-    aeng = AsyncLLMEngine(LLMEngine(engine or EngineConfig.create(**engine_kw))).start()
+    cfg = engine or EngineConfig.create(**engine_kw)
+    # built on its own loop thread (one OpenMP team: notebook 08); tensor-parallel ranks start from the main thread
+    aeng = AsyncLLMEngine(cfg if cfg.tensor_parallel_size == 1 else LLMEngine(cfg)).start()
     app = build_app(aeng, s.served_model_name, s.api_key, s.max_body_bytes, s.allowed_origins, s.chat_template, s.tool_call_parser)
     bm, limit = aeng.engine.block_manager, s.limit_concurrency or max(16, int(nofile * 0.9) - 64)
     print(f"llm_engine: serving {app.state.ctx.name} on http://{s.host}:{s.port}/v1 ({bm.num_blocks} KV blocks of {bm.block_size} tokens; "

@@ -9,7 +9,7 @@ from dataclasses import dataclass, asdict
 import torch
 
 # %% auto 0
-__all__ = ['OFFLINE_COLS', 'HTTP_COLS', 'WORDS', 'OV_RUNNER', 'PEER_COLS', 'BENCH_SCHEMA', 'STRUCTURED_COLS', 'Request',
+__all__ = ['OFFLINE_COLS', 'HTTP_COLS', 'WORDS', 'OV_RUNNER', 'PEER_COLS', 'OURS', 'BENCH_SCHEMA', 'STRUCTURED_COLS', 'Request',
            'make_workload', 'bench_hf_sequential', 'bench_hf_static', 'bench_engine', 'run_benchmark', 'format_table',
            'main', 'bench_http_text', 'bench_http', 'llama_cpp_available', 'run_http_sweep', 'plot_sweep',
            'TextRequest', 'make_text_workload', 'Peer', 'peers_dir', 'run_offline_peer', 'find_peers',
@@ -423,17 +423,24 @@ def _machine() -> str:
     model = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.machine()) if flags else platform.machine()
     return f"{model}, {os.cpu_count()} cores ({' '.join(isa)}), torch {torch.__version__}"
 
-def _run_ours(reqs, threads, n, num_blocks, log_dir) -> tuple[dict, list]:
+# llm_engine's own rows: (name, engine options, note); ratios in the table are against the first (fp32, the baseline)
+OURS = (("llm_engine", dict(dtype="float32", scheduling_policy="sjf"), "fp32, shortest prompt first"),
+        ("llm_engine bf16", dict(dtype="bfloat16", scheduling_policy="sjf"), "bf16 weights, activations and KV cache (oneDNN), sjf"),
+        ("llm_engine int8", dict(quantization="int8", scheduling_policy="sjf"), "int8 weight-only, bf16 activations, sjf"))
+
+def _run_ours(reqs, threads, n, num_blocks, log_dir, name="llm_engine", opts=None, note="") -> tuple[dict, list]:
     from llm_engine.engine import LLM
+    opts = dict(opts or {})
+    flags = [a for k, v in opts.items() for a in (f"--{k.replace('_', '-')}", str(v))]
     cmd = [sys.executable, "-m", "llm_engine.cli", "serve", "--port", "{port}", "--log-level", "warning", "--threads", str(threads),
-           "--num-blocks", str(num_blocks), "--max-num-seqs", str(n)]
-    http = run_http_system("llm_engine", cmd, reqs, (1, n), {"ignore_eos": True}, log=log_dir / "llm_engine.log")
-    llm = LLM(num_threads=threads, max_num_seqs=n, num_blocks=num_blocks)
+           "--num-blocks", str(num_blocks), "--max-num-seqs", str(n), *flags]
+    http = run_http_system(name, cmd, reqs, (1, n), {"ignore_eos": True}, log=log_dir / f"{name.replace(' ', '_')}.log")
+    llm = LLM(num_threads=threads, max_num_seqs=n, num_blocks=num_blocks, **opts)
     ids = [Request(llm.engine.tokenizer(r.prompt)["input_ids"], r.max_tokens) for r in reqs]   # as the server tokenizes them
     bench_engine(llm, [Request(llm.engine.tokenizer(r.prompt)["input_ids"], r.max_tokens) for r in _warmup(reqs)])   # as the peers
     off = bench_engine(llm, ids)
     del llm
-    return asdict(PeerRow.from_runs("llm_engine", http, off, f"fp32, {threads} threads")), http
+    return asdict(PeerRow.from_runs(name, http, off, f"{note}, {threads} threads")), http
 
 # %% ../nbs/12_benchmarks.ipynb
 def _short(note, runs, want) -> str:
@@ -441,12 +448,16 @@ def _short(note, runs, want) -> str:
     bad = [r["output_tokens"] for r in runs if r["output_tokens"] != want]
     return note + (f"; WARNING: produced {bad} output tokens, not {want}" if bad else "")
 
-def run_peers(n=32, max_tokens=64, words=(20, 150), threads=2, seed=0, path=None, only=None, num_blocks=1024, ctx=512, log_dir=None) -> dict:
+def run_peers(n=32, max_tokens=64, words=(20, 150), threads=2, seed=0, path=None, only=None, num_blocks=1024, ctx=512, log_dir=None,
+              ours=OURS) -> dict:
     "llm_engine and every installed peer on one workload, in one run: `{machine, workload, rows, skipped, http}`."
     reqs = make_text_workload(n, words, max_tokens, seed)
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="llm_engine_peers_")); log_dir.mkdir(parents=True, exist_ok=True)
-    row, http = _run_ours(reqs, threads, n, num_blocks, log_dir)
-    rows, skipped = [row], []
+    rows, skipped, http = [], [], []
+    for name, opts, note in ours:
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        row, h = _run_ours(reqs, threads, n, num_blocks, log_dir, name, opts, note)
+        rows.append(row); http += h
     for p in find_peers(path, threads, n, ctx):
         if only and not any(o.lower() in p.name.lower() for o in only): continue
         if p.reason: skipped.append(dict(system=p.name, reason=p.reason)); continue
@@ -473,7 +484,7 @@ def plot_peers(res, axes=None, title=None):
     for ax, k, label in zip(axes, ("c1_tpot_ms_p50", "cn_tok_s", "offline_tok_s"),
                             ("1 client: TPOT p50, ms (lower is better)", f"{n} clients: output tokens/s", f"offline batch of {n}: output tokens/s")):
         rs = [r for r in res["rows"] if r.get(k) is not None][::-1]
-        ax.barh([r["system"] for r in rs], [r[k] for r in rs], color=["tab:blue" if r["system"] == "llm_engine" else "0.6" for r in rs])
+        ax.barh([r["system"] for r in rs], [r[k] for r in rs], color=["tab:blue" if r["system"].startswith("llm_engine") else "0.6" for r in rs])
         for y, r in enumerate(rs): ax.text(r[k], y, f" {r[k]:g}", va="center", fontsize=8)
         ax.set_xlabel(label); ax.set_xlim(0, 1.25 * max((r[k] for r in rs), default=1))
     if title: axes[0].figure.suptitle(title, fontsize=10)

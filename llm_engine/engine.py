@@ -357,7 +357,10 @@ class MemoryTrimmer:
 # %% ../nbs/08_engine.ipynb
 class AsyncLLMEngine:
     "Runs `LLMEngine.step` on a background thread; `generate` streams each request's outputs, with backpressure."
-    def __init__(self, engine: LLMEngine, stall_timeout: float|None = None, stall_action: str|None = None, trim_interval: float = 10.0):
+    def __init__(self, engine: LLMEngine|EngineConfig, stall_timeout: float|None = None, stall_action: str|None = None,
+                 trim_interval: float = 10.0):
+        self._thread, self._go = None, threading.Event()
+        if isinstance(engine, EngineConfig): engine = self._build_on_loop_thread(engine)
         cfg = engine.config
         self.stall_timeout = cfg.stream_stall_timeout if stall_timeout is None else stall_timeout
         self.stall_action = stall_action or cfg.stream_stall_action
@@ -365,7 +368,7 @@ class AsyncLLMEngine:
         self.engine, self._lock, self._wake = engine, threading.Lock(), threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._aborts, self._resumes = deque(), deque()    # request ids from readers, applied before the next step
-        self._stop, self._thread, self.errors = False, None, 0
+        self._stop, self.errors = False, 0
         self.num_stalled = 0                               # requests paused or aborted because their reader stalled
         self.trimmer = MemoryTrimmer(trim_interval)
 
@@ -373,6 +376,7 @@ class AsyncLLMEngine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="llm-engine-loop", daemon=True)
             self._thread.start()
+        self._go.set()
         return self
 
     @property
@@ -385,6 +389,21 @@ class AsyncLLMEngine:
     def _deliver(self, out: RequestOutput):
         s = self._streams.get(out.request_id)
         if s is not None: s.put(out)
+
+# %% ../nbs/08_engine.ipynb
+@patch
+def _build_on_loop_thread(self: AsyncLLMEngine, cfg: EngineConfig) -> LLMEngine:
+    "Build the engine on a new loop thread, which then waits for `start()` before it steps; errors re-raised here."
+    box, built = {}, threading.Event()
+    def main():
+        try: box["engine"] = LLMEngine(cfg)
+        except BaseException as e: box["error"] = e
+        built.set()
+        if "engine" in box: self._go.wait(); self._run()
+    self._thread = threading.Thread(target=main, name="llm-engine-loop", daemon=True)
+    self._thread.start(); built.wait()
+    if "error" in box: raise box["error"]
+    return box["engine"]
 
 # %% ../nbs/08_engine.ipynb
 @patch
@@ -459,7 +478,7 @@ def abort(self: AsyncLLMEngine, request_id):
 @patch
 def shutdown(self: AsyncLLMEngine):
     "Stop the loop and cancel whatever is still in flight (freeing its blocks)."
-    self._stop = True; self._wake.set()
+    self._stop = True; self._wake.set(); self._go.set()
     if self._thread: self._thread.join(timeout=30)
     self._drain()
     with self._lock:
