@@ -149,7 +149,9 @@ async def _drive(base, prompts, max_tokens, concurrency, body_extra, stats=False
     "Stream every prompt through `/v1/completions` with `concurrency` clients; per-request timings and KV peak."
     queue = list(zip(prompts, max_tokens))[::-1]
     results, kv_peak, done = [], 0, asyncio.Event()
-    async with httpx.AsyncClient(base_url=base, timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as c:
+    # a fresh connection per request: llama-server closes reused keep-alive connections mid-run ("Server disconnected")
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=httpx.Limits(max_connections=concurrency + 4),
+                                 headers={"Connection": "close"}) as c:
         async def client():
             while queue:
                 prompt, mt = queue.pop()
