@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import llm_engine
-from .config import cache_root
+from .config import cache_root, read_cpu_flags
 
 # %% auto 0
 __all__ = ['DECODE_KERNEL_PATH', 'DECODE_KERNEL_SRC', 'KERNEL_DTYPES', 'plot_block_tables', 'AttentionMetadata', 'store_kv',
@@ -141,8 +141,7 @@ DECODE_KERNEL_SRC = DECODE_KERNEL_PATH.read_text()
 
 def _cpu_flags() -> str:
     "The CPU's feature flags (Linux), part of the kernel's cache key since it is compiled with -march=native."
-    try: return next((l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")), "")
-    except OSError: return platform.processor()
+    return " ".join(sorted(read_cpu_flags())) or platform.processor()
 
 @cache
 def load_decode_kernel() -> str|None:

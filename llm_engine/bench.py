@@ -259,7 +259,7 @@ def make_text_workload(n=32, words=(20, 150), max_tokens=64, seed=0) -> list[Tex
     return [TextRequest(" ".join(rng.choices(WORDS, k=rng.randint(*words))).capitalize() + ".", max_tokens) for _ in range(n)]
 
 # %% ../nbs/12_benchmarks.ipynb
-from .config import cache_root
+from .config import cache_root, read_cpu_flags
 from .model import default_gguf_path
 
 @dataclass
@@ -420,8 +420,8 @@ def format_peer_table(res, ours="llm_engine") -> str:
 # %% ../nbs/12_benchmarks.ipynb
 def _machine() -> str:
     import platform
-    flags = next((l for l in open("/proc/cpuinfo") if l.startswith("flags")), "") if Path("/proc/cpuinfo").exists() else ""
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f" {f}" in flags]
+    flags = read_cpu_flags()
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
     model = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.machine()) if flags else platform.machine()
     return f"{model}, {os.cpu_count()} cores ({' '.join(isa)}), torch {torch.__version__}"
 

@@ -281,8 +281,7 @@ def finish(self: Scheduler, seq: Sequence, reason: str):
     if seq.is_finished: return
     if seq.status == SeqStatus.RUNNING: self.running.remove(seq); self.bm.free(seq.seq_id)
     elif seq.status == SeqStatus.SWAPPED: self.swapped.remove(seq); self.bm.drop_swapped(seq.seq_id)
-    elif seq.status == SeqStatus.WAITING:
-        self.waiting = [(k, s) for k, s in self.waiting if s is not seq]; heapq.heapify(self.waiting)
+    elif seq.status == SeqStatus.WAITING: self._take_waiting(seq)
     seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
 
 @patch
