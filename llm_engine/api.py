@@ -18,15 +18,15 @@ from .protocol import *
 from .tool_parsers import render_tool_messages, parse_tool_calls, ToolCallStreamParser
 
 # %% auto 0
-__all__ = ['log', 'PROTECTED', 'router', 'TOOL_CALL_PARSERS', 'SEND_BUFFER', 'ServerConfig', 'clean_model_name', 'model_aliases',
-           'ServerContext', 'Guard', 'error_json', 'render_chat', 'chat_messages', 'chat_prompt_ids', 'tools_active',
-           'completion_prompt_ids', 'prepare', 'start', 'start_all', 'ClientGone', 'until_done', 'tok_str',
-           'chat_logprobs', 'completion_logprobs', 'join_logprobs', 'prompt_logprobs_json', 'usage', 'finish_reason',
-           'sse', 'sse_error', 'Cursor', 'chat_chunk', 'chat_stream', 'chat_chunks', 'merge', 'EventStream',
-           'completion_chunk', 'completion_stream', 'echo_text', 'echo_logprobs', 'needs_prompt_logprobs',
-           'chat_completions', 'chat_response', 'completions', 'completion_choice', 'tokenize', 'detokenize', 'health',
-           'models', 'stats', 'metrics', 'debug_trace', 'load_chat_template', 'check_tool_call_parser', 'build_app',
-           'raise_open_file_limit', 'listen_socket', 'serve']
+__all__ = ['log', 'PROTECTED', 'LOGPROB_FLOOR', 'router', 'TOOL_CALL_PARSERS', 'SEND_BUFFER', 'ServerConfig', 'clean_model_name',
+           'model_aliases', 'ServerContext', 'Guard', 'error_json', 'render_chat', 'chat_messages', 'chat_prompt_ids',
+           'tools_active', 'completion_prompt_ids', 'prepare', 'start', 'start_all', 'ClientGone', 'until_done',
+           'tok_str', 'json_logprob', 'chat_logprobs', 'completion_logprobs', 'join_logprobs', 'prompt_logprobs_json',
+           'usage', 'finish_reason', 'sse', 'sse_error', 'Cursor', 'chat_chunk', 'chat_stream', 'chat_chunks', 'merge',
+           'EventStream', 'completion_chunk', 'completion_stream', 'echo_text', 'echo_logprobs',
+           'needs_prompt_logprobs', 'chat_completions', 'chat_response', 'completions', 'completion_choice', 'tokenize',
+           'detokenize', 'health', 'models', 'stats', 'metrics', 'debug_trace', 'load_chat_template',
+           'check_tool_call_parser', 'build_app', 'raise_open_file_limit', 'listen_socket', 'serve']
 
 # %% ../nbs/10_api.ipynb
 log = logging.getLogger("llm_engine.api")
@@ -231,21 +231,26 @@ async def until_done(request: Request, started) -> list[RequestOutput]:
 # %% ../nbs/10_api.ipynb
 def tok_str(tok, t, as_ids=False) -> str: return f"token_id:{t}" if as_ids else tok.decode([t])
 
+# a grammar mask leaves -inf on the tokens it forbids, and a top_logprobs list longer than the allowed set shows them;
+# JSON has no -inf, so (as vLLM does) the floor is -9999.0, which still reads as "impossible"
+LOGPROB_FLOOR = -9999.0
+def json_logprob(v: float) -> float: return v if v > LOGPROB_FLOOR else LOGPROB_FLOOR   # NaN > x is False: NaN floors too
+
 def chat_logprobs(tok, token_ids, lps, top_n, as_ids=False) -> dict:
     content = []
     for t, d in zip(token_ids, lps):
         s = tok_str(tok, t, as_ids)
         top = sorted(d.items(), key=lambda kv: -kv[1])[:top_n or 0]
-        content.append({"token": s, "logprob": d[t], "bytes": list(s.encode()),
-                        "top_logprobs": [{"token": tok_str(tok, k, as_ids), "logprob": v, "bytes": list(tok_str(tok, k, as_ids).encode())} for k, v in top]})
+        content.append({"token": s, "logprob": json_logprob(d[t]), "bytes": list(s.encode()),
+                        "top_logprobs": [{"token": tok_str(tok, k, as_ids), "logprob": json_logprob(v), "bytes": list(tok_str(tok, k, as_ids).encode())} for k, v in top]})
     return {"content": content}
 
 def completion_logprobs(tok, token_ids, lps, offset=0, as_ids=False) -> dict:
     "Parallel lists for `token_ids`; an entry of `lps` that is None (the first prompt token) gives null."
     toks = [tok_str(tok, t, as_ids) for t in token_ids]
     offs = [offset + sum(len(x) for x in toks[:i]) for i in range(len(toks))]
-    return {"tokens": toks, "token_logprobs": [d[t] if d else None for t, d in zip(token_ids, lps)],
-            "top_logprobs": [{tok_str(tok, k, as_ids): v for k, v in d.items()} if d else None for d in lps], "text_offset": offs}
+    return {"tokens": toks, "token_logprobs": [json_logprob(d[t]) if d else None for t, d in zip(token_ids, lps)],
+            "top_logprobs": [{tok_str(tok, k, as_ids): json_logprob(v) for k, v in d.items()} if d else None for d in lps], "text_offset": offs}
 
 def join_logprobs(a: dict|None, b: dict) -> dict:
     return b if a is None else {k: a[k] + b[k] for k in b}
@@ -255,7 +260,7 @@ def prompt_logprobs_json(tok, o) -> list|None:
     "vLLM's `prompt_logprobs`: per prompt token null (the first) or `{token_id: {logprob, decoded_token}}`."
     plp = o.prompt_logprobs
     if plp is None: return None
-    return [None if d is None else {str(k): {"logprob": v, "decoded_token": tok.decode([k])} for k, v in d.items()} for d in plp]
+    return [None if d is None else {str(k): {"logprob": json_logprob(v), "decoded_token": tok.decode([k])} for k, v in d.items()} for d in plp]
 
 def usage(outs, partial=False) -> Usage:
     "Token counts of finished (or, `partial`, running) requests; cached tokens come from the prefix cache."

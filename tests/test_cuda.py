@@ -326,7 +326,7 @@ def _tiny_engines(**kw):
     from llm_engine.engine import LLM
     from llm_engine.testing import make_tiny_model
     d = str(make_tiny_model(tempfile.mkdtemp()))
-    opts = dict(device="cpu", max_num_seqs=8, max_model_len=128, block_size=4, kv_cache_memory="4MiB", **kw)
+    opts = dict(device="cpu", dtype="float32", max_num_seqs=8, max_model_len=128, block_size=4, kv_cache_memory="4MiB", **kw)   # fp32: the exact path; "auto" picks bf16 on AVX512_BF16 machines, where near-ties flip
     eager, graphed = LLM(d, **opts), LLM(d, **opts)
     g = attach_cuda_graphs(graphed.engine.runner, 8, graphed.engine.max_model_len, recorder=record_eagerly, backend="reference")
     return eager, graphed, g

@@ -112,3 +112,23 @@ def test_regex_and_choice_via_extra_body(client, model):
     r = client.completions.create(model=model, prompt="My favourite colour is", max_tokens=10, temperature=1.0, n=4, seed=6,
                                   extra_body={"guided_choice": ["red", "green", "blue"]})
     for c in r.choices: assert c.text in ("red", "green", "blue") and c.finish_reason == "stop", c.text
+
+def _strict_json(text):
+    def refuse(c): raise ValueError(f"{c} is not JSON")
+    return json.loads(text, parse_constant=refuse)    # Python's reader would accept NaN / -Infinity; JSON clients do not
+
+def test_logprobs_of_masked_tokens_are_json(client, model, server):
+    "top_logprobs wider than what the grammar allows: the forbidden tokens show -9999.0 (JSON has no -inf), in both routes and in a stream."
+    import httpx
+    body = {"model": model, "prompt": "Pick one:", "max_tokens": 4, "temperature": 0, "logprobs": 5, "guided_choice": ["yes", "no"]}
+    r = httpx.post(f"{server.base}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    tops = _strict_json(r.text)["choices"][0]["logprobs"]["top_logprobs"]
+    assert -9999.0 in tops[-1].values() and all(v >= -9999.0 for d in tops for v in d.values())
+    c = client.chat.completions.create(model=model, messages=MSG, max_tokens=4, temperature=0, logprobs=True, top_logprobs=5,
+                                       extra_body={"guided_choice": ["yes", "no"]})
+    assert c.choices[0].message.content in ("yes", "no")
+    assert -9999.0 in [t.logprob for t in c.choices[0].logprobs.content[-1].top_logprobs]
+    with httpx.stream("POST", f"{server.base}/v1/completions", json={**body, "stream": True}, timeout=120) as s:
+        events = [_strict_json(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert any(-9999.0 in d.values() for e in events for d in (e["choices"][0]["logprobs"] or {}).get("top_logprobs") or [])
