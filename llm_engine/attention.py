@@ -15,7 +15,7 @@ from .config import cache_root, read_cpu_flags
 
 # %% auto 0
 __all__ = ['DECODE_KERNEL_PATH', 'DECODE_KERNEL_SRC', 'KERNEL_DTYPES', 'plot_block_tables', 'AttentionMetadata', 'store_kv',
-           'paged_attention', 'decode_attention', 'load_decode_kernel', 'resolve_attention_backend']
+           'paged_attention', 'decode_attention', 'build_cpu_kernel', 'load_decode_kernel', 'resolve_attention_backend']
 
 # %% ../nbs/03_paged_attention.ipynb
 def plot_block_tables(tables: dict, num_blocks: int, cols=4, ax=None):
@@ -144,11 +144,11 @@ def _cpu_flags() -> str:
     return " ".join(sorted(read_cpu_flags())) or platform.processor()
 
 @cache
-def load_decode_kernel() -> str|None:
-    "Compile (once per machine and source; the library is cached) and load the decode kernel; `None` if loaded, else why not."
+def build_cpu_kernel(stem: str, src: str) -> str|None:
+    "Compile C++ source `src` (once per machine and source; the library is cached) and load its ops; `None` if loaded, else why not."
     from torch.utils.cpp_extension import load_inline
-    key = hashlib.sha256(f"{DECODE_KERNEL_SRC}{torch.__version__}{_cpu_flags()}".encode()).hexdigest()[:12]
-    name = f"llm_engine_paged_decode_{key}"
+    key = hashlib.sha256(f"{src}{torch.__version__}{_cpu_flags()}".encode()).hexdigest()[:12]
+    name = f"{stem}_{key}"
     so = cache_root() / "kernels" / f"{name}.so"
     try:
         if so.exists(): torch.ops.load_library(str(so))
@@ -157,11 +157,15 @@ def load_decode_kernel() -> str|None:
             # build in a private folder, then move the library into place: processes starting together each
             # build rather than wait on a lock file that a killed build could leave behind
             with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
-                load_inline(name, cpp_sources=DECODE_KERNEL_SRC, is_python_module=False, build_directory=tmp,
+                load_inline(name, cpp_sources=src, is_python_module=False, build_directory=tmp,
                             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"])
                 os.replace(Path(tmp) / f"{name}.so", so)
     except Exception as e: return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
     return None
+
+def load_decode_kernel() -> str|None:
+    "The paged decode kernel: `None` if loaded, else why not."
+    return build_cpu_kernel("llm_engine_paged_decode", DECODE_KERNEL_SRC)
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)   # bf16 K/V are widened to fp32 in registers: the arithmetic is fp32
 

@@ -8,18 +8,26 @@ import time
 from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
+from pathlib import Path
 from torch import nn
-from .attention import AttentionMetadata
+import llm_engine
+from .attention import AttentionMetadata, build_cpu_kernel
 from .rope import RotaryEmbedding
 
 # %% auto 0
-__all__ = ['QUANTIZERS', 'Int8Linear', 'quantize_linears', 'forward_logits', 'Agreement', 'compare_logits', 'best_of',
-           'weight_bytes_per_token']
+__all__ = ['INT8_KERNEL_SRC', 'QUANTIZERS', 'load_int8_kernel', 'Int8Linear', 'quantize_linears', 'forward_logits', 'Agreement',
+           'compare_logits', 'best_of', 'weight_bytes_per_token']
 
 # %% ../nbs/05b_precision.ipynb
+INT8_KERNEL_SRC = (Path(llm_engine.__file__).parent / "csrc" / "int8_linear.cpp").read_text()
+
+def load_int8_kernel() -> str|None:
+    "Our int8 weight-only matmul for a few rows (`csrc/int8_linear.cpp`): `None` if loaded, else why not."
+    return build_cpu_kernel("llm_engine_int8_linear", INT8_KERNEL_SRC)
+
 class Int8Linear(nn.Module):
-    "int8 weights with one scale per output channel (symmetric, from the fp32 weights); computes in bf16."
-    small_batch = 16    # rows up to which torch's int8 kernel beats dequantizing into a bf16 matmul (measured below)
+    "int8 weights with one scale per output channel (symmetric, from the fp32 weights)."
+    small_batch = 8     # rows up to which our int8 kernel beats dequantizing into a bf16 matmul (measured below)
     def __init__(self, lin: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
@@ -29,11 +37,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if lin.bias is None else lin.bias.detach().clone())
+        self.kernel = load_int8_kernel() is None    # compiled once per machine; without a compiler, torch's int8 kernel
     def forward(self, x):
-        lead, xb, s = x.shape[:-1], x.reshape(-1, self.in_features).to(torch.bfloat16), self.scales.to(torch.bfloat16)
-        if xb.shape[0] <= self.small_batch and x.device.type == "cpu":
-            y = torch.ops.aten._weight_int8pack_mm(xb.contiguous(), self.weight, s)
-        else: y = F.linear(xb, self.weight.to(torch.bfloat16)) * s     # int8 values are exact in bf16
+        lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features)
+        if x2.shape[0] <= self.small_batch and x.device.type == "cpu":
+            if self.kernel: y = torch.ops.llm_engine.int8_linear(x2, self.weight, self.scales)
+            else: y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.weight, self.scales.to(torch.bfloat16))
+        else: y = F.linear(x2.to(torch.bfloat16), self.weight.to(torch.bfloat16)) * self.scales    # int8 values are exact in bf16
         if self.bias is not None: y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features).to(x.dtype)
 
