@@ -215,12 +215,12 @@ def read_cpu_flags(cpuinfo="/proc/cpuinfo") -> frozenset:
     except OSError: return frozenset()
     return frozenset(next((l for l in text.splitlines() if l.startswith("flags")), "").partition(":")[2].split())
 
-def resolve_dtype(dtype: str = "auto", device: str = "cpu", cpu_flags=None) -> str:
-    "The dtype to run in: `auto` is bfloat16 on CUDA and on CPUs with bf16 instructions, float32 elsewhere."
+def resolve_dtype(dtype: str = "auto", device: str = "cpu", cpu_flags=None, quantization=None) -> str:
+    "The dtype to run in: `auto` is bfloat16 on CUDA and on CPUs with bf16 instructions, float32 elsewhere (and for int8 weights on a CPU)."
     if dtype not in DTYPES: raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     if dtype != "auto": return dtype
     kind = str(device).split(":")[0]
     if kind == "cuda": return "bfloat16"
-    if kind != "cpu": return "float32"
+    if kind != "cpu" or quantization: return "float32"
     flags = read_cpu_flags() if cpu_flags is None else frozenset(cpu_flags)
     return "bfloat16" if flags & set(BF16_CPU_FLAGS) else "float32"

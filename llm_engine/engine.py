@@ -48,7 +48,7 @@ class LLMEngine:
         if cfg.num_threads: torch.set_num_threads(cfg.num_threads)
         device = resolve_device(cfg.device)
         # "auto" becomes the dtype in force (notebook 05b), so whoever reads the config later sees that one
-        self.config = cfg = replace(cfg, dtype=resolve_dtype(cfg.dtype, device))
+        self.config = cfg = replace(cfg, dtype=resolve_dtype(cfg.dtype, device, quantization=cfg.quantization))
         dtype = getattr(torch, cfg.dtype)      # of the weights' activations and of the KV cache, sized below by its bytes
         self.model, self.model_path = load_model(cfg.model, dtype, device, cfg.quantization)
         self.tokenizer = load_tokenizer(self.model_path)

@@ -61,11 +61,14 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
         if mc.tie_word_embeddings: self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(mc.head_dim, mc.max_position_embeddings, mc.rope_theta, mc.rope_scaling)
+    decode_step = None   # a fused replacement for the layer loop on decode steps, where one is installed (05b: int8)
     def forward(self, input_ids, positions, md: AttentionMetadata, kv_caches):
         "Hidden states `[T, hidden]` for a flat batch; `kv_caches[i]` is layer i's `(k_cache, v_cache)`."
         x, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rope.lookup(positions)   # once per step, shared by every layer
-        for layer, kv in zip(self.layers, kv_caches): x, residual = layer(x, residual, cos_sin, md, kv)
+        if self.decode_step is not None and self.decode_step.applies(md, x): x, residual = self.decode_step(x, cos_sin, md, kv_caches)
+        else:
+            for layer, kv in zip(self.layers, kv_caches): x, residual = layer(x, residual, cos_sin, md, kv)
         return self.norm(x, residual)[0]
     def compute_logits(self, hidden): return self.lm_head(hidden).float()
 
@@ -265,7 +268,11 @@ def load_model(model=None, dtype=torch.float32, device="cpu", quantization=None)
     if quantization is not None:     # from the fp32 weights, before the cast (notebook 05b)
         from llm_engine.precision import quantize_linears
         quantize_linears(m, quantization)
-    return m.to(dtype).eval(), path
+    m = m.to(dtype).eval()
+    if quantization is not None:
+        from llm_engine.precision import fuse_int8_decode
+        fuse_int8_decode(m)          # decode steps in one C++ call per layer, where it applies (notebook 05b)
+    return m, path
 
 def load_tokenizer(path):
     from transformers import AutoTokenizer

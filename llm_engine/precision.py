@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from pathlib import Path
 from torch import nn
 import llm_engine
-from .attention import AttentionMetadata, build_cpu_kernel
+from .attention import AttentionMetadata, build_cpu_kernel, load_decode_kernel
 from .rope import RotaryEmbedding
 
 # %% auto 0
-__all__ = ['INT8_KERNEL_SRC', 'QUANTIZERS', 'load_int8_kernel', 'Int8Linear', 'quantize_linears', 'forward_logits', 'Agreement',
-           'compare_logits', 'best_of', 'weight_bytes_per_token']
+__all__ = ['INT8_KERNEL_SRC', 'QUANTIZERS', 'load_int8_kernel', 'Int8Linear', 'quantize_linears', 'FusedInt8Decode',
+           'fuse_int8_decode', 'forward_logits', 'Agreement', 'compare_logits', 'best_of', 'weight_bytes_per_token']
 
 # %% ../nbs/05b_precision.ipynb
 INT8_KERNEL_SRC = (Path(llm_engine.__file__).parent / "csrc" / "int8_linear.cpp").read_text()
@@ -56,6 +56,37 @@ def quantize_linears(model: nn.Module, method: str = "int8") -> nn.Module:
         for name, child in list(mod.named_children()):
             if type(child) is nn.Linear: setattr(mod, name, QUANTIZERS[method](child))
     return model
+
+# %% ../nbs/05b_precision.ipynb
+class FusedInt8Decode:
+    "The decoder layers of a decode step, one C++ call each (int8 weights, fp32 activations)."
+    def __init__(self, model):
+        a = model.layers[0].self_attn
+        self.nh, self.nkv, self.scale, self.eps = a.nh, a.nkv, a.scale, model.layers[0].input_layernorm.eps
+        self.max_rows, self.none = Int8Linear.small_batch, torch.empty(0)
+        self.attention = load_decode_kernel() is None    # the paged decode kernel each layer calls (notebook 03)
+        self.layers = []
+        for l in model.layers:
+            lins = (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj)
+            self.layers.append((l.input_layernorm.weight.detach(), l.post_attention_layernorm.weight.detach(),
+                                *[t for q in lins for t in (q.weight, q.scales.float().contiguous())]))
+    def applies(self, md, x) -> bool:
+        return (self.attention and md.num_prefill_tokens == 0 and md.decode_backend == "cpp" and md.attention is None
+                and x.shape[0] <= self.max_rows and x.dtype == torch.float32 and x.device.type == "cpu")
+    def __call__(self, x, cos_sin, md, kv_caches):
+        residual, (cos, sin) = self.none, (t.contiguous() for t in cos_sin)
+        for (ln1, ln2, *w), (kc, vc) in zip(self.layers, kv_caches):
+            x, residual = torch.ops.llm_engine.decode_layer_int8(x, residual, ln1, ln2, self.eps, *w, cos, sin, self.nh, self.nkv, kc, vc,
+                                                                  md.slot_mapping, md.decode_block_tables, md.decode_context_lens, self.scale)
+        return x, residual
+
+def fuse_int8_decode(model) -> bool:
+    "Install `FusedInt8Decode` as `model.decode_step` where it applies (see above); True if installed."
+    lins = [m for l in model.layers for m in (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj)]
+    ok = (all(isinstance(q, Int8Linear) and q.kernel and q.bias is None for q in lins)
+          and model.embed_tokens.weight.dtype == torch.float32 and model.embed_tokens.weight.device.type == "cpu")
+    model.decode_step = FusedInt8Decode(model) if ok else None
+    return ok
 
 # %% ../nbs/05b_precision.ipynb
 def forward_logits(model, ids: list[int], block_size: int = 16) -> torch.Tensor:

@@ -5,6 +5,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <algorithm>
+#include <cmath>
+#include <tuple>
+#include <ATen/core/dispatch/Dispatcher.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -69,7 +72,21 @@ static bool has_vector_path() {
 #endif
 }
 
-// x [M, K] fp32 or bf16, w [N, K] int8, scales [N] -> [M, N] in x's dtype (the arithmetic is fp32). generic: use the portable loop even where AVX-512 is compiled in
+// y [M, N] = x [M, K] (fp32) times the int8 weight, each thread taking one contiguous range of output channels:
+// one sequential stream of weights per thread
+static void matmul_into(const float* xp, int64_t M, int64_t K, const int8_t* wp, const float* sp, float* yp, int64_t N,
+                        bool generic) {
+  const bool vec = !generic && has_vector_path() && K % 16 == 0;
+  at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
+#if defined(__AVX512F__)
+    if (vec) { block_avx512(xp, M, K, wp, sp, yp, N, n0, n1); return; }
+#endif
+    block_generic(xp, M, K, wp, sp, yp, N, n0, n1);
+  });
+}
+
+// x [M, K] fp32 or bf16, w [N, K] int8, scales [N] -> [M, N] in x's dtype (the arithmetic is fp32).
+// generic: use the portable loop even where AVX-512 is compiled in
 at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& w_, const at::Tensor& scales_, bool generic) {
   TORCH_CHECK(x_.dim() == 2 && w_.dim() == 2 && x_.size(1) == w_.size(1), "int8_linear: x [M, K] and w [N, K] must share K");
   TORCH_CHECK(w_.scalar_type() == at::kChar, "int8_linear: w must be int8");
@@ -77,17 +94,78 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& w_, const at::Ten
   const at::Tensor x = x_.to(at::kFloat).contiguous(), w = w_.contiguous(), sc = scales_.to(at::kFloat).contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>(); const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = sc.data_ptr<float>(); float* yp = y.data_ptr<float>();
-  const bool vec = !generic && has_vector_path() && K % 16 == 0;
-  // each thread takes one contiguous range of output channels: one sequential stream of weights
-  at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
-#if defined(__AVX512F__)
-    if (vec) { block_avx512(xp, M, K, wp, sp, yp, N, n0, n1); return; }
-#endif
-    block_generic(xp, M, K, wp, sp, yp, N, n0, n1);
-  });
+  matmul_into(x.data_ptr<float>(), M, K, w.data_ptr<int8_t>(), sc.data_ptr<float>(), y.data_ptr<float>(), N, generic);
   return x_.scalar_type() == at::kFloat ? y : y.to(x_.scalar_type());
+}
+
+// ---- one whole decoder layer for a decode step (every row one new token), fp32 activations, int8 weights.
+// The same arithmetic as the layer's modules, in one call: no Python, no temporaries between the small ops.
+
+static void add_rms_norm(float* res, const float* add, const float* w, float* out, int64_t M, int64_t H, float eps) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* r = res + m * H; float ss = 0.f;
+    for (int64_t i = 0; i < H; ++i) { if (add) r[i] += add[m * H + i]; ss += r[i] * r[i]; }
+    const float inv = 1.f / std::sqrt(ss / H + eps);
+    for (int64_t i = 0; i < H; ++i) out[m * H + i] = r[i] * inv * w[i];
+  }
+}
+
+// rotate-half RoPE of `heads` heads of width D starting at p, by this row's cos / sin [D / 2]
+static void rope(float* p, int64_t heads, int64_t D, const float* c, const float* s) {
+  const int64_t h2 = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* x = p + h * D;
+    for (int64_t i = 0; i < h2; ++i) {
+      const float a = x[i], b = x[i + h2];
+      x[i] = a * c[i] - b * s[i]; x[i + h2] = b * c[i] + a * s[i];
+    }
+  }
+}
+
+static const float* f32(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), what, ": contiguous fp32");
+  return t.data_ptr<float>();
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_layer_int8(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
+    const at::Tensor& wqkv, const at::Tensor& sqkv, const at::Tensor& wo, const at::Tensor& so,
+    const at::Tensor& wgu, const at::Tensor& sgu, const at::Tensor& wd, const at::Tensor& sd,
+    const at::Tensor& cos, const at::Tensor& sin, int64_t nh, int64_t nkv, at::Tensor k_cache, at::Tensor v_cache,
+    const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  const int64_t M = x.size(0), H = x.size(1), D = k_cache.size(3), Q = nh * D, KV = nkv * D, I = wgu.size(0) / 2;
+  TORCH_CHECK(wqkv.size(0) == Q + 2 * KV && wqkv.size(1) == H && wo.size(1) == Q && wd.size(1) == I, "decode_layer_int8: weight shapes");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat && k_cache.size(2) == nkv,
+              "decode_layer_int8: contiguous fp32 caches [blocks, block_size, kv_heads, D]");
+  TORCH_CHECK(cos.size(0) == M && cos.size(1) == D / 2 && slots.scalar_type() == at::kLong && slots.numel() == M, "decode_layer_int8: cos, sin, slots");
+  auto opt = x.options();
+  at::Tensor res = residual.numel() ? residual.clone() : at::zeros_like(x);
+  at::Tensor h = at::empty({M, H}, opt), qkv = at::empty({M, Q + 2 * KV}, opt), q = at::empty({M, nh, D}, opt);
+  at::Tensor att = at::empty({M, nh, D}, opt), gu = at::empty({M, 2 * I}, opt), act = at::empty({M, I}, opt), y = at::empty({M, H}, opt);
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous(), sl = slots.contiguous();
+  float *rp = res.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
+  add_rms_norm(rp, f32(x, "x"), f32(ln1, "ln1"), hp, M, H, (float)eps);
+  matmul_into(hp, M, H, wqkv.data_ptr<int8_t>(), f32(sqkv, "scales"), qkvp, Q + 2 * KV, false);
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>(), *qp = q.data_ptr<float>();
+  const float *cp = f32(c, "cos"), *sp = f32(s, "sin"); const int64_t* slp = sl.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = qkvp + m * (Q + 2 * KV);
+    rope(row, nh + nkv, D, cp + m * (D / 2), sp + m * (D / 2));      // q's heads, then k's: adjacent in the row
+    std::copy(row, row + Q, qp + m * Q);
+    std::copy(row + Q, row + Q + KV, kc + slp[m] * KV);
+    std::copy(row + Q + KV, row + Q + 2 * KV, vc + slp[m] * KV);
+  }
+  static auto decode = c10::Dispatcher::singleton().findSchemaOrThrow("llm_engine::paged_decode", "")
+      .typed<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  decode.call(att, q, k_cache, v_cache, block_tables, context_lens, scale);
+  matmul_into(att.data_ptr<float>(), M, Q, wo.data_ptr<int8_t>(), f32(so, "scales"), y.data_ptr<float>(), H, false);
+  add_rms_norm(rp, y.data_ptr<float>(), f32(ln2, "ln2"), hp, M, H, (float)eps);
+  float *gp = gu.data_ptr<float>(), *ap = act.data_ptr<float>();
+  matmul_into(hp, M, H, wgu.data_ptr<int8_t>(), f32(sgu, "scales"), gp, 2 * I, false);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < I; ++i) { const float g = gp[m * 2 * I + i]; ap[m * I + i] = g / (1.f + std::exp(-g)) * gp[m * 2 * I + I + i]; }
+  matmul_into(ap, M, I, wd.data_ptr<int8_t>(), f32(sd, "scales"), y.data_ptr<float>(), H, false);
+  return {y, res};
 }
 
 bool int8_linear_vectorized() { return has_vector_path(); }
@@ -95,5 +173,11 @@ bool int8_linear_vectorized() { return has_vector_path(); }
 TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, bool generic=False) -> Tensor");
   m.def("int8_linear_vectorized() -> bool", &int8_linear_vectorized);
+  m.def("decode_layer_int8(Tensor x, Tensor residual, Tensor ln1, Tensor ln2, float eps, Tensor wqkv, Tensor sqkv, "
+        "Tensor wo, Tensor so, Tensor wgu, Tensor sgu, Tensor wd, Tensor sd, Tensor cos, Tensor sin, int nh, int nkv, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, Tensor context_lens, float scale) -> (Tensor, Tensor)");
 }
-TORCH_LIBRARY_IMPL(llm_engine, CPU, m) { m.impl("int8_linear", int8_linear); }
+TORCH_LIBRARY_IMPL(llm_engine, CPU, m) {
+  m.impl("int8_linear", int8_linear);
+  m.impl("decode_layer_int8", decode_layer_int8);
+}
