@@ -117,6 +117,7 @@ def shard_model(model: Llama, rank: int, world_size: int) -> Llama:
     "Turn a loaded `Llama` into this rank's tensor-parallel shard, in place; `model.local_config` gives the heads it keeps."
     mc = model.config
     if model.layers[0].self_attn.nh != mc.num_heads: raise ValueError("this model is already sharded")
+    model.decode_step = None     # a fused decode step (05b) captured the unsharded layers: shards take the layer loop
     for layer in model.layers:
         sh = _shard_attention(layer.self_attn, mc, rank, world_size)
         _shard_mlp(layer.mlp, mc.intermediate_size, rank, world_size)

@@ -269,9 +269,8 @@ def load_model(model=None, dtype=torch.float32, device="cpu", quantization=None)
         from llm_engine.precision import quantize_linears
         quantize_linears(m, quantization)
     m = m.to(dtype).eval()
-    if quantization is not None:
-        from llm_engine.precision import fuse_int8_decode
-        fuse_int8_decode(m)          # decode steps in one C++ call per layer, where it applies (notebook 05b)
+    from llm_engine.precision import fuse_decode     # notebook 05b: bf16 or int8 decode steps with few Python calls
+    fuse_decode(m)
     return m, path
 
 def load_tokenizer(path):
@@ -312,6 +311,7 @@ def prepack_linears(model: nn.Module) -> nn.Module:
             if type(child) is nn.Linear and child.weight.dtype in dtypes and child.weight.device.type == "cpu":
                 p = _packed_or_none(child)
                 if p is not None: setattr(mod, cname, p)
+    if getattr(model, "decode_step", None) is not None: model.decode_step = type(model.decode_step)(model)   # it holds the old layers
     return model
 
 # %% ../nbs/05_model.ipynb

@@ -15,15 +15,15 @@ from .attention import AttentionMetadata, build_cpu_kernel, load_decode_kernel
 from .rope import RotaryEmbedding
 
 # %% auto 0
-__all__ = ['INT8_KERNEL_SRC', 'QUANTIZERS', 'load_int8_kernel', 'Int8Linear', 'quantize_linears', 'FusedInt8Decode',
-           'fuse_int8_decode', 'forward_logits', 'Agreement', 'compare_logits', 'best_of', 'weight_bytes_per_token']
+__all__ = ['STEP_KERNELS_SRC', 'QUANTIZERS', 'load_step_kernels', 'Int8Linear', 'quantize_linears', 'FusedDecode', 'fuse_decode',
+           'forward_logits', 'Agreement', 'compare_logits', 'best_of', 'weight_bytes_per_token']
 
 # %% ../nbs/05b_precision.ipynb
-INT8_KERNEL_SRC = (Path(llm_engine.__file__).parent / "csrc" / "int8_linear.cpp").read_text()
+STEP_KERNELS_SRC = (Path(llm_engine.__file__).parent / "csrc" / "decode_step.cpp").read_text()
 
-def load_int8_kernel() -> str|None:
-    "Our int8 weight-only matmul for a few rows (`csrc/int8_linear.cpp`): `None` if loaded, else why not."
-    return build_cpu_kernel("llm_engine_int8_linear", INT8_KERNEL_SRC)
+def load_step_kernels() -> str|None:
+    "Our decode-step kernels (`csrc/decode_step.cpp`: the int8 matmul, the fused small ops and layer): `None` if loaded, else why not."
+    return build_cpu_kernel("llm_engine_decode_step", STEP_KERNELS_SRC)
 
 class Int8Linear(nn.Module):
     "int8 weights with one scale per output channel (symmetric, from the fp32 weights)."
@@ -37,7 +37,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if lin.bias is None else lin.bias.detach().clone())
-        self.kernel = load_int8_kernel() is None    # compiled once per machine; without a compiler, torch's int8 kernel
+        self.kernel = load_step_kernels() is None    # compiled once per machine; without a compiler, torch's int8 kernel
     def forward(self, x):
         lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features)
         if x2.shape[0] <= self.small_batch and x.device.type == "cpu":
@@ -58,34 +58,46 @@ def quantize_linears(model: nn.Module, method: str = "int8") -> nn.Module:
     return model
 
 # %% ../nbs/05b_precision.ipynb
-class FusedInt8Decode:
-    "The decoder layers of a decode step, one C++ call each (int8 weights, fp32 activations)."
+class FusedDecode:
+    "A decode step with few Python calls: per layer one C++ call (int8 weights, fp32, a few rows) or nine (fp32/bf16 activations)."
     def __init__(self, model):
-        a = model.layers[0].self_attn
-        self.nh, self.nkv, self.scale, self.eps = a.nh, a.nkv, a.scale, model.layers[0].input_layernorm.eps
-        self.max_rows, self.none = Int8Linear.small_batch, torch.empty(0)
-        self.attention = load_decode_kernel() is None    # the paged decode kernel each layer calls (notebook 03)
-        self.layers = []
-        for l in model.layers:
-            lins = (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj)
-            self.layers.append((l.input_layernorm.weight.detach(), l.post_attention_layernorm.weight.detach(),
-                                *[t for q in lins for t in (q.weight, q.scales.float().contiguous())]))
+        a, ln = model.layers[0].self_attn, model.layers[0].input_layernorm
+        self.nh, self.nkv, self.scale, self.eps, self.none = a.nh, a.nkv, a.scale, ln.eps, torch.empty(0)
+        self.attention = load_decode_kernel() is None     # the paged decode kernel each layer calls (notebook 03)
+        f32 = lambda t: t.detach().float().contiguous()
+        lins = lambda l: (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj)
+        # module.forward, not module(): no hook machinery per call
+        self.layers = [(f32(l.input_layernorm.weight), f32(l.post_attention_layernorm.weight), *[q.forward for q in lins(l)]) for l in model.layers]
+        self.int8 = (model.embed_tokens.weight.dtype == torch.float32 and
+                     all(isinstance(q, Int8Linear) and q.kernel and q.bias is None for l in model.layers for q in lins(l)))
+        self.int8_layers = [(self.layers[k][0], self.layers[k][1], *[t for q in lins(l) for t in (q.weight, f32(q.scales))])
+                            for k, l in enumerate(model.layers)] if self.int8 else []
     def applies(self, md, x) -> bool:
         return (self.attention and md.num_prefill_tokens == 0 and md.decode_backend == "cpp" and md.attention is None
-                and x.shape[0] <= self.max_rows and x.dtype == torch.float32 and x.device.type == "cpu")
+                and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16))
     def __call__(self, x, cos_sin, md, kv_caches):
-        residual, (cos, sin) = self.none, (t.contiguous() for t in cos_sin)
-        for (ln1, ln2, *w), (kc, vc) in zip(self.layers, kv_caches):
-            x, residual = torch.ops.llm_engine.decode_layer_int8(x, residual, ln1, ln2, self.eps, *w, cos, sin, self.nh, self.nkv, kc, vc,
-                                                                  md.slot_mapping, md.decode_block_tables, md.decode_context_lens, self.scale)
+        ops, (cos, sin), residual = torch.ops.llm_engine, (t.contiguous() for t in cos_sin), self.none
+        if self.int8 and x.shape[0] <= Int8Linear.small_batch:
+            for (ln1, ln2, *w), (kc, vc) in zip(self.int8_layers, kv_caches):
+                x, residual = ops.decode_layer_int8(x, residual, ln1, ln2, self.eps, *w, cos, sin, self.nh, self.nkv, kc, vc,
+                                                    md.slot_mapping, md.decode_block_tables, md.decode_context_lens, self.scale)
+            return x, residual
+        M = x.shape[0]
+        for (ln1, ln2, qkv, o, gate_up, down), (kc, vc) in zip(self.layers, kv_caches):
+            h, residual = ops.add_rms_norm(x, residual, ln1, self.eps)
+            q = ops.rope_store(qkv(h), cos, sin, self.nh, self.nkv, kc, vc, md.slot_mapping)
+            att = torch.empty_like(q)
+            ops.paged_decode(att, q, kc, vc, md.decode_block_tables, md.decode_context_lens, self.scale)
+            h, residual = ops.add_rms_norm(o(att.view(M, -1)), residual, ln2, self.eps)
+            x = down(ops.silu_mul(gate_up(h)))
         return x, residual
 
-def fuse_int8_decode(model) -> bool:
-    "Install `FusedInt8Decode` as `model.decode_step` where it applies (see above); True if installed."
-    lins = [m for l in model.layers for m in (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj)]
-    ok = (all(isinstance(q, Int8Linear) and q.kernel and q.bias is None for q in lins)
-          and model.embed_tokens.weight.dtype == torch.float32 and model.embed_tokens.weight.device.type == "cpu")
-    model.decode_step = FusedInt8Decode(model) if ok else None
+def fuse_decode(model) -> bool:
+    "Install `FusedDecode` as `model.decode_step` for a CPU model with bf16 activations or int8 weights; True if installed."
+    w = model.embed_tokens.weight
+    ok = (w.device.type == "cpu" and (w.dtype == torch.bfloat16 or (w.dtype == torch.float32 and any(isinstance(m, Int8Linear) for m in model.modules())))
+          and load_step_kernels() is None)    # fp32 without int8 (the exact path the parity tests hold) keeps the layer loop
+    model.decode_step = FusedDecode(model) if ok else None
     return ok
 
 # %% ../nbs/05b_precision.ipynb

@@ -1,6 +1,10 @@
-// Weight-only int8 matmul for the few rows of a decode step: y[m, n] = scale[n] * sum_k x[m, k] * w[n, k].
-// A decode step is bound by reading weights, so each int8 weight is read once, widened to fp32 in registers and
-// used by every row of x; the arithmetic is fp32. Loaded by llm_engine.precision (compiled on first use, cached).
+// The decode step's own CPU kernels (loaded by llm_engine.precision; compiled on first use, cached):
+// - int8_linear: weight-only int8 matmul for the few rows of a decode step, y[m, n] = scale[n] * sum_k x[m, k] * w[n, k].
+//   A decode step is bound by reading weights, so each int8 weight is read once, widened to fp32 in registers and
+//   used by every row of x; the arithmetic is fp32.
+// - add_rms_norm, rope_store, silu_mul: the small operations between a layer's matmuls, one call each instead of
+//   five to ten PyTorch calls, for fp32 or bf16 activations (arithmetic in fp32, results rounded to the activations' dtype).
+// - decode_layer_int8: a whole decoder layer in one call, int8 weights and fp32 activations, for a few rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -168,11 +172,81 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_int8(
   return {y, res};
 }
 
+// ---- the small operations between the matmuls, for fp32 or bf16 activations
+
+template <typename T> static inline float ld(const T* p, int64_t i) { return static_cast<float>(p[i]); }
+
+// (normed, new residual): residual + x (rounded to T, as PyTorch's add would be), then RMS-normalised by w
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_op(const at::Tensor& x_, const at::Tensor& residual, const at::Tensor& w_, double eps) {
+  TORCH_CHECK(x_.dim() == 2 && w_.numel() == x_.size(1), "add_rms_norm: x [M, H], w [H]");
+  TORCH_CHECK(!residual.numel() || (residual.sizes() == x_.sizes() && residual.scalar_type() == x_.scalar_type()), "add_rms_norm: residual like x");
+  const at::Tensor x = x_.contiguous(), w = w_.to(at::kFloat).contiguous();
+  at::Tensor res = residual.numel() ? at::empty_like(x) : x, out = at::empty_like(x);
+  const at::Tensor r0 = residual.numel() ? residual.contiguous() : residual;
+  const int64_t M = x.size(0), H = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>(); scalar_t *rp = res.data_ptr<scalar_t>(), *op = out.data_ptr<scalar_t>();
+    const float* wp = w.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) {
+      scalar_t* r = rp + m * H; float ss = 0.f;
+      if (r0.numel()) { const scalar_t* a = r0.data_ptr<scalar_t>() + m * H; for (int64_t i = 0; i < H; ++i) r[i] = static_cast<scalar_t>(ld(xp + m * H, i) + ld(a, i)); }
+      for (int64_t i = 0; i < H; ++i) { const float v = ld(r, i); ss += v * v; }
+      const float inv = 1.f / std::sqrt(ss / H + (float)eps);
+      for (int64_t i = 0; i < H; ++i) op[m * H + i] = static_cast<scalar_t>(ld(r, i) * inv * wp[i]);
+    }
+  });
+  return {out, res};
+}
+
+// RoPE on the q and k parts of each row of qkv [M, (nh + 2 nkv) D] (rotate-half, by cos / sin [M, D/2]), K and V
+// written to their cache slots; returns q [M, nh, D]. qkv is left as it was.
+at::Tensor rope_store(const at::Tensor& qkv_, const at::Tensor& cos_, const at::Tensor& sin_, int64_t nh, int64_t nkv,
+                      at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots_) {
+  const at::Tensor qkv = qkv_.contiguous(), c = cos_.to(at::kFloat).contiguous(), s = sin_.to(at::kFloat).contiguous(), sl = slots_.contiguous();
+  const int64_t M = qkv.size(0), D = k_cache.size(3), Q = nh * D, KV = nkv * D, h2 = D / 2;
+  TORCH_CHECK(qkv.size(1) == Q + 2 * KV && k_cache.size(2) == nkv && k_cache.is_contiguous() && v_cache.is_contiguous(), "rope_store: shapes");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type() && sl.numel() == M, "rope_store: dtypes, slots");
+  at::Tensor q = at::empty({M, nh, D}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_store", [&] {
+    const scalar_t* src = qkv.data_ptr<scalar_t>(); scalar_t *qp = q.data_ptr<scalar_t>(), *kc = k_cache.data_ptr<scalar_t>(), *vc = v_cache.data_ptr<scalar_t>();
+    const int64_t* slp = sl.data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m) {
+      const scalar_t* row = src + m * (Q + 2 * KV); const float *cm = c.data_ptr<float>() + m * h2, *sm = s.data_ptr<float>() + m * h2;
+      for (int64_t h = 0; h < nh + nkv; ++h) {      // q's heads, then k's: adjacent in the row
+        const scalar_t* x = row + h * D;
+        scalar_t* y = h < nh ? qp + m * Q + h * D : kc + slp[m] * KV + (h - nh) * D;
+        for (int64_t i = 0; i < h2; ++i) {
+          const float a = ld(x, i), b = ld(x, i + h2);
+          y[i] = static_cast<scalar_t>(a * cm[i] - b * sm[i]); y[i + h2] = static_cast<scalar_t>(b * cm[i] + a * sm[i]);
+        }
+      }
+      std::copy(row + Q + KV, row + Q + 2 * KV, vc + slp[m] * KV);
+    }
+  });
+  return q;
+}
+
+// silu(gate) * up of gu [M, 2I] (gate first, as the fused gate_up projection writes them)
+at::Tensor silu_mul(const at::Tensor& gu_) {
+  const at::Tensor gu = gu_.contiguous();
+  const int64_t M = gu.size(0), I = gu.size(1) / 2;
+  at::Tensor out = at::empty({M, I}, gu.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gu.scalar_type(), "silu_mul", [&] {
+    const scalar_t* g = gu.data_ptr<scalar_t>(); scalar_t* o = out.data_ptr<scalar_t>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t i = 0; i < I; ++i) { const float a = ld(g, m * 2 * I + i); o[m * I + i] = static_cast<scalar_t>(a / (1.f + std::exp(-a)) * ld(g, m * 2 * I + I + i)); }
+  });
+  return out;
+}
+
 bool int8_linear_vectorized() { return has_vector_path(); }
 
 TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, bool generic=False) -> Tensor");
   m.def("int8_linear_vectorized() -> bool", &int8_linear_vectorized);
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
+  m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, int nh, int nkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor");
+  m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("decode_layer_int8(Tensor x, Tensor residual, Tensor ln1, Tensor ln2, float eps, Tensor wqkv, Tensor sqkv, "
         "Tensor wo, Tensor so, Tensor wgu, Tensor sgu, Tensor wd, Tensor sd, Tensor cos, Tensor sin, int nh, int nkv, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, Tensor context_lens, float scale) -> (Tensor, Tensor)");
@@ -180,4 +254,7 @@ TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
 TORCH_LIBRARY_IMPL(llm_engine, CPU, m) {
   m.impl("int8_linear", int8_linear);
   m.impl("decode_layer_int8", decode_layer_int8);
+  m.impl("add_rms_norm", add_rms_norm_op);
+  m.impl("rope_store", rope_store);
+  m.impl("silu_mul", silu_mul);
 }
