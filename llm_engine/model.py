@@ -311,7 +311,7 @@ def prepack_linears(model: nn.Module) -> nn.Module:
             if type(child) is nn.Linear and child.weight.dtype in dtypes and child.weight.device.type == "cpu":
                 p = _packed_or_none(child)
                 if p is not None: setattr(mod, cname, p)
-    if getattr(model, "decode_step", None) is not None: model.decode_step = type(model.decode_step)(model)   # it holds the old layers
+    if getattr(model, "decode_step", None) is not None: model.decode_step.rebind(model)   # a fused decode step (05b) holds the old modules
     return model
 
 # %% ../nbs/05_model.ipynb

@@ -27,7 +27,7 @@ def load_step_kernels() -> str|None:
 
 class Int8Linear(nn.Module):
     "int8 weights with one scale per output channel (symmetric, from the fp32 weights)."
-    small_batch = 8     # rows up to which our int8 kernel beats dequantizing into a bf16 matmul (measured below)
+    small_batch = 4     # rows up to which our int8 kernel beats oneDNN's bf16 matmul on the dequantized weight (measured above)
     def __init__(self, lin: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
@@ -38,11 +38,16 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if lin.bias is None else lin.bias.detach().clone())
         self.kernel = load_step_kernels() is None    # compiled once per machine; without a compiler, torch's int8 kernel
+        self.packed = None                           # the dequantized bf16 weight for large batches, made on first use
     def forward(self, x):
         lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features)
         if x2.shape[0] <= self.small_batch and x.device.type == "cpu":
             if self.kernel: y = torch.ops.llm_engine.int8_linear(x2, self.weight, self.scales)
             else: y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.weight, self.scales.to(torch.bfloat16))
+        elif x.device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            if self.packed is None:     # large batches are compute-bound: oneDNN's bf16 matmul on weight * scale, packed once
+                self.packed = torch.ops.mkldnn._reorder_linear_weight((self.weight.float() * self.scales.float()[:, None]).bfloat16(), 32)
+            y = torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16), self.packed, None, "none", [], "")
         else: y = F.linear(x2.to(torch.bfloat16), self.weight.to(torch.bfloat16)) * self.scales    # int8 values are exact in bf16
         if self.bias is not None: y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features).to(x.dtype)
@@ -59,28 +64,35 @@ def quantize_linears(model: nn.Module, method: str = "int8") -> nn.Module:
 
 # %% ../nbs/05b_precision.ipynb
 class FusedDecode:
-    "A decode step with few Python calls: per layer one C++ call (int8 weights, fp32, a few rows) or nine (fp32/bf16 activations)."
+    "A decode step with few Python calls: per layer one C++ call (a few rows) or nine (more rows)."
     def __init__(self, model):
         a, ln = model.layers[0].self_attn, model.layers[0].input_layernorm
         self.nh, self.nkv, self.scale, self.eps, self.none = a.nh, a.nkv, a.scale, ln.eps, torch.empty(0)
         self.attention = load_decode_kernel() is None     # the paged decode kernel each layer calls (notebook 03)
         f32 = lambda t: t.detach().float().contiguous()
-        lins = lambda l: (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj)
+        # the one-call layer reads plain weights: int8 with its scales, or bf16 / fp32 as loaded (kept when
+        # prepack_linears later gives the modules oneDNN's packed layout, which only oneDNN can read)
+        plain = lambda q: (q.weight, f32(q.scales)) if isinstance(q, Int8Linear) else (q.weight.detach().contiguous(), self.none)
+        self.small = [(f32(l.input_layernorm.weight), f32(l.post_attention_layernorm.weight), *[t for q in self._lins(l) for t in plain(q)])
+                      for l in model.layers]
+        self.int8 = isinstance(model.layers[0].self_attn.qkv_proj, Int8Linear)
+        self.max_rows = Int8Linear.small_batch if self.int8 else 3    # rows up to which the one-call layer wins (measured below)
+        self.rebind(model)
+    @staticmethod
+    def _lins(l): return (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj)
+    def rebind(self, model):
+        "Take the layers' current linear modules for the nine-call path (after `prepack_linears` replaced them)."
         # module.forward, not module(): no hook machinery per call
-        self.layers = [(f32(l.input_layernorm.weight), f32(l.post_attention_layernorm.weight), *[q.forward for q in lins(l)]) for l in model.layers]
-        self.int8 = (model.embed_tokens.weight.dtype == torch.float32 and
-                     all(isinstance(q, Int8Linear) and q.kernel and q.bias is None for l in model.layers for q in lins(l)))
-        self.int8_layers = [(self.layers[k][0], self.layers[k][1], *[t for q in lins(l) for t in (q.weight, f32(q.scales))])
-                            for k, l in enumerate(model.layers)] if self.int8 else []
+        self.layers = [(s[0], s[1], *[q.forward for q in self._lins(l)]) for s, l in zip(self.small, model.layers)]
     def applies(self, md, x) -> bool:
         return (self.attention and md.num_prefill_tokens == 0 and md.decode_backend == "cpp" and md.attention is None
                 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16))
     def __call__(self, x, cos_sin, md, kv_caches):
         ops, (cos, sin), residual = torch.ops.llm_engine, (t.contiguous() for t in cos_sin), self.none
-        if self.int8 and x.shape[0] <= Int8Linear.small_batch:
-            for (ln1, ln2, *w), (kc, vc) in zip(self.int8_layers, kv_caches):
-                x, residual = ops.decode_layer_int8(x, residual, ln1, ln2, self.eps, *w, cos, sin, self.nh, self.nkv, kc, vc,
-                                                    md.slot_mapping, md.decode_block_tables, md.decode_context_lens, self.scale)
+        if x.shape[0] <= self.max_rows:
+            for (ln1, ln2, *w), (kc, vc) in zip(self.small, kv_caches):
+                x, residual = ops.decode_layer(x, residual, ln1, ln2, self.eps, *w, cos, sin, self.nh, self.nkv, kc, vc,
+                                               md.slot_mapping, md.decode_block_tables, md.decode_context_lens, self.scale)
             return x, residual
         M = x.shape[0]
         for (ln1, ln2, qkv, o, gate_up, down), (kc, vc) in zip(self.layers, kv_caches):
@@ -94,8 +106,10 @@ class FusedDecode:
 
 def fuse_decode(model) -> bool:
     "Install `FusedDecode` as `model.decode_step` for a CPU model with bf16 activations or int8 weights; True if installed."
-    w = model.embed_tokens.weight
-    ok = (w.device.type == "cpu" and (w.dtype == torch.bfloat16 or (w.dtype == torch.float32 and any(isinstance(m, Int8Linear) for m in model.modules())))
+    w, lins = model.embed_tokens.weight, [q for l in model.layers for q in FusedDecode._lins(l)]
+    int8 = all(isinstance(q, Int8Linear) and q.kernel and q.bias is None for q in lins)
+    ok = (w.device.type == "cpu" and all(type(q) in (nn.Linear, Int8Linear) and q.bias is None for q in lins)
+          and (w.dtype == torch.bfloat16 or (w.dtype == torch.float32 and int8))
           and load_step_kernels() is None)    # fp32 without int8 (the exact path the parity tests hold) keeps the layer loop
     model.decode_step = FusedDecode(model) if ok else None
     return ok

@@ -4,7 +4,7 @@
 //   used by every row of x; the arithmetic is fp32.
 // - add_rms_norm, rope_store, silu_mul: the small operations between a layer's matmuls, one call each instead of
 //   five to ten PyTorch calls, for fp32 or bf16 activations (arithmetic in fp32, results rounded to the activations' dtype).
-// - decode_layer_int8: a whole decoder layer in one call, int8 weights and fp32 activations, for a few rows.
+// - decode_layer: a whole decoder layer in one call for a few rows, weights int8 (with scales), bf16 or fp32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -18,37 +18,48 @@
 
 constexpr int RB = 4;   // rows of x per pass: U * RB accumulators stay in registers
 
+// weights: int8 (with one scale per output channel), bf16 or fp32 (scales null: 1); always widened to fp32
+template <typename W> static inline float wf(const W* p, int64_t i) { return static_cast<float>(p[i]); }
+
 // the portable path: any CPU, and the reference the vector path is tested against
-static void block_generic(const float* x, int64_t M, int64_t K, const int8_t* w, const float* sc, float* y,
+template <typename W>
+static void block_generic(const float* x, int64_t M, int64_t K, const W* w, const float* sc, float* y,
                           int64_t N, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* wr = w + n * K;
+    const W* wr = w + n * K;
     for (int64_t m = 0; m < M; ++m) {
       const float* xr = x + m * K;
       float acc = 0.f;
-      for (int64_t k = 0; k < K; ++k) acc += xr[k] * static_cast<float>(wr[k]);
-      y[m * N + n] = acc * sc[n];
+      for (int64_t k = 0; k < K; ++k) acc += xr[k] * wf(wr, k);
+      y[m * N + n] = sc ? acc * sc[n] : acc;
     }
   }
 }
 
 #if defined(__AVX512F__)
+// 16 weights widened to fp32
+static inline __m512 widen16(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+static inline __m512 widen16(const at::BFloat16* p) {     // bf16 is the top half of an fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+
 // one weight row against R rows of x (R known at compile time, so the accumulators live in registers); K % 16 == 0.
 // Weight rows are walked one after another, so the weights stream sequentially (the hardware prefetcher sees one
 // stream per thread; interleaving rows measured 2x slower at one row of x), and U chains over k hide the FMA latency
 constexpr int U = 4;
-template <int R>
-static void row_avx512(const float* x, int64_t K, const int8_t* wr, float s, float* y, int64_t N) {
+template <int R, typename W>
+static void row_avx512(const float* x, int64_t K, const W* wr, float s, float* y, int64_t N) {
   __m512 acc[U][R];
   for (int u = 0; u < U; ++u) for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 16 * U <= K; k += 16 * U)
     for (int u = 0; u < U; ++u) {
-      const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(wr + k + 16 * u))));
+      const __m512 wv = widen16(wr + k + 16 * u);
       for (int r = 0; r < R; ++r) acc[u][r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + r * K + k + 16 * u), acc[u][r]);
     }
   for (; k < K; k += 16) {
-    const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(wr + k))));
+    const __m512 wv = widen16(wr + k);
     for (int r = 0; r < R; ++r) acc[0][r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + r * K + k), acc[0][r]);
   }
   for (int r = 0; r < R; ++r) {
@@ -58,13 +69,14 @@ static void row_avx512(const float* x, int64_t K, const int8_t* wr, float s, flo
   }
 }
 
-static void block_avx512(const float* x, int64_t M, int64_t K, const int8_t* w, const float* sc, float* y,
+template <typename W>
+static void block_avx512(const float* x, int64_t M, int64_t K, const W* w, const float* sc, float* y,
                          int64_t N, int64_t n0, int64_t n1) {
-  static void (*const rows[RB + 1])(const float*, int64_t, const int8_t*, float, float*, int64_t) =
-      {nullptr, row_avx512<1>, row_avx512<2>, row_avx512<3>, row_avx512<4>};
+  static void (*const rows[RB + 1])(const float*, int64_t, const W*, float, float*, int64_t) =
+      {nullptr, row_avx512<1, W>, row_avx512<2, W>, row_avx512<3, W>, row_avx512<4, W>};
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t m = 0; m < M; m += RB)   // the weight row stays in L1 while every group of rows passes over it
-      rows[std::min<int64_t>(RB, M - m)](x + m * K, K, w + n * K, sc[n], y + m * N + n, N);
+      rows[std::min<int64_t>(RB, M - m)](x + m * K, K, w + n * K, sc ? sc[n] : 1.f, y + m * N + n, N);
 }
 #endif
 
@@ -76,9 +88,10 @@ static bool has_vector_path() {
 #endif
 }
 
-// y [M, N] = x [M, K] (fp32) times the int8 weight, each thread taking one contiguous range of output channels:
+// y [M, N] = x [M, K] (fp32) times the weight [N, K] (int8 with scales, bf16 or fp32), each thread taking one contiguous range of output channels:
 // one sequential stream of weights per thread
-static void matmul_into(const float* xp, int64_t M, int64_t K, const int8_t* wp, const float* sp, float* yp, int64_t N,
+template <typename W>
+static void matmul_into(const float* xp, int64_t M, int64_t K, const W* wp, const float* sp, float* yp, int64_t N,
                         bool generic) {
   const bool vec = !generic && has_vector_path() && K % 16 == 0;
   at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
@@ -102,8 +115,9 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& w_, const at::Ten
   return x_.scalar_type() == at::kFloat ? y : y.to(x_.scalar_type());
 }
 
-// ---- one whole decoder layer for a decode step (every row one new token), fp32 activations, int8 weights.
-// The same arithmetic as the layer's modules, in one call: no Python, no temporaries between the small ops.
+// ---- one whole decoder layer for a decode step (every row one new token), in one call: no Python, no
+// temporaries between the small ops. Activations are fp32 inside (the residual and the result come back in the
+// activations' dtype T), the K/V cache is T, the weights int8 (with scales), bf16 or fp32.
 
 static void add_rms_norm(float* res, const float* add, const float* w, float* out, int64_t M, int64_t H, float eps) {
   for (int64_t m = 0; m < M; ++m) {
@@ -131,45 +145,67 @@ static const float* f32(const at::Tensor& t, const char* what) {
   return t.data_ptr<float>();
 }
 
-std::tuple<at::Tensor, at::Tensor> decode_layer_int8(
-    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
+// y [M, N] = x [M, K] times w [N, K]: int8 with scales [N], or bf16 / fp32 (scales empty)
+static void mm(const float* x, int64_t M, int64_t K, const at::Tensor& w, const at::Tensor& s, float* y) {
+  TORCH_CHECK(w.is_contiguous() && w.size(1) == K, "decode_layer: weights [N, K], contiguous");
+  const int64_t N = w.size(0);
+  switch (w.scalar_type()) {
+    case at::kChar: TORCH_CHECK(s.numel() == N, "decode_layer: int8 weights need one scale per row");
+                    matmul_into(x, M, K, w.data_ptr<int8_t>(), f32(s, "scales"), y, N, false); break;
+    case at::kBFloat16: matmul_into(x, M, K, w.data_ptr<at::BFloat16>(), (const float*)nullptr, y, N, false); break;
+    case at::kFloat: matmul_into(x, M, K, w.data_ptr<float>(), (const float*)nullptr, y, N, false); break;
+    default: TORCH_CHECK(false, "decode_layer: weights must be int8, bf16 or fp32");
+  }
+}
+
+template <typename T>
+static void store_qkv(const float* qkvp, T* qp, T* kc, T* vc, const int64_t* slp, int64_t M, int64_t Q, int64_t KV) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = qkvp + m * (Q + 2 * KV);
+    for (int64_t i = 0; i < Q; ++i) qp[m * Q + i] = static_cast<T>(row[i]);
+    for (int64_t i = 0; i < KV; ++i) { kc[slp[m] * KV + i] = static_cast<T>(row[Q + i]); vc[slp[m] * KV + i] = static_cast<T>(row[Q + KV + i]); }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& x_, const at::Tensor& residual, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
     const at::Tensor& wqkv, const at::Tensor& sqkv, const at::Tensor& wo, const at::Tensor& so,
     const at::Tensor& wgu, const at::Tensor& sgu, const at::Tensor& wd, const at::Tensor& sd,
     const at::Tensor& cos, const at::Tensor& sin, int64_t nh, int64_t nkv, at::Tensor k_cache, at::Tensor v_cache,
     const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  const int64_t M = x.size(0), H = x.size(1), D = k_cache.size(3), Q = nh * D, KV = nkv * D, I = wgu.size(0) / 2;
-  TORCH_CHECK(wqkv.size(0) == Q + 2 * KV && wqkv.size(1) == H && wo.size(1) == Q && wd.size(1) == I, "decode_layer_int8: weight shapes");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat && k_cache.size(2) == nkv,
-              "decode_layer_int8: contiguous fp32 caches [blocks, block_size, kv_heads, D]");
-  TORCH_CHECK(cos.size(0) == M && cos.size(1) == D / 2 && slots.scalar_type() == at::kLong && slots.numel() == M, "decode_layer_int8: cos, sin, slots");
-  auto opt = x.options();
-  at::Tensor res = residual.numel() ? residual.clone() : at::zeros_like(x);
-  at::Tensor h = at::empty({M, H}, opt), qkv = at::empty({M, Q + 2 * KV}, opt), q = at::empty({M, nh, D}, opt);
-  at::Tensor att = at::empty({M, nh, D}, opt), gu = at::empty({M, 2 * I}, opt), act = at::empty({M, I}, opt), y = at::empty({M, H}, opt);
-  const at::Tensor c = cos.contiguous(), s = sin.contiguous(), sl = slots.contiguous();
+  const auto T = x_.scalar_type();
+  const int64_t M = x_.size(0), H = x_.size(1), D = k_cache.size(3), Q = nh * D, KV = nkv * D, I = wgu.size(0) / 2;
+  TORCH_CHECK(T == at::kFloat || T == at::kBFloat16, "decode_layer: fp32 or bf16 activations");
+  TORCH_CHECK(wqkv.size(0) == Q + 2 * KV && wo.size(1) == Q && wd.size(1) == I, "decode_layer: weight shapes");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == T && v_cache.scalar_type() == T &&
+              k_cache.size(2) == nkv, "decode_layer: contiguous caches [blocks, block_size, kv_heads, D] in the activations' dtype");
+  TORCH_CHECK(cos.size(0) == M && cos.size(1) == D / 2 && slots.scalar_type() == at::kLong && slots.numel() == M, "decode_layer: cos, sin, slots");
+  auto opt = x_.options().dtype(at::kFloat);
+  const at::Tensor x = x_.to(at::kFloat).contiguous();
+  at::Tensor res = residual.numel() ? residual.to(at::kFloat, false, true).contiguous() : at::zeros_like(x);
+  at::Tensor h = at::empty({M, H}, opt), qkv = at::empty({M, Q + 2 * KV}, opt), q = at::empty({M, nh, D}, x_.options());
+  at::Tensor att = at::empty({M, nh, D}, x_.options()), gu = at::empty({M, 2 * I}, opt), act = at::empty({M, I}, opt), y = at::empty({M, H}, opt);
+  const at::Tensor c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous(), sl = slots.contiguous();
   float *rp = res.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
-  add_rms_norm(rp, f32(x, "x"), f32(ln1, "ln1"), hp, M, H, (float)eps);
-  matmul_into(hp, M, H, wqkv.data_ptr<int8_t>(), f32(sqkv, "scales"), qkvp, Q + 2 * KV, false);
-  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>(), *qp = q.data_ptr<float>();
-  const float *cp = f32(c, "cos"), *sp = f32(s, "sin"); const int64_t* slp = sl.data_ptr<int64_t>();
-  for (int64_t m = 0; m < M; ++m) {
-    float* row = qkvp + m * (Q + 2 * KV);
-    rope(row, nh + nkv, D, cp + m * (D / 2), sp + m * (D / 2));      // q's heads, then k's: adjacent in the row
-    std::copy(row, row + Q, qp + m * Q);
-    std::copy(row + Q, row + Q + KV, kc + slp[m] * KV);
-    std::copy(row + Q + KV, row + Q + 2 * KV, vc + slp[m] * KV);
-  }
+  add_rms_norm(rp, x.data_ptr<float>(), f32(ln1, "ln1"), hp, M, H, (float)eps);
+  mm(hp, M, H, wqkv, sqkv, qkvp);
+  const float *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>(); const int64_t* slp = sl.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m)      // q's heads, then k's: adjacent in the row
+    rope(qkvp + m * (Q + 2 * KV), nh + nkv, D, cp + m * (D / 2), sp + m * (D / 2));
+  if (T == at::kFloat) store_qkv(qkvp, q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slp, M, Q, KV);
+  else store_qkv(qkvp, q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), slp, M, Q, KV);
   static auto decode = c10::Dispatcher::singleton().findSchemaOrThrow("llm_engine::paged_decode", "")
       .typed<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
   decode.call(att, q, k_cache, v_cache, block_tables, context_lens, scale);
-  matmul_into(att.data_ptr<float>(), M, Q, wo.data_ptr<int8_t>(), f32(so, "scales"), y.data_ptr<float>(), H, false);
+  const at::Tensor attf = att.to(at::kFloat).contiguous();
+  mm(attf.data_ptr<float>(), M, Q, wo, so, y.data_ptr<float>());
   add_rms_norm(rp, y.data_ptr<float>(), f32(ln2, "ln2"), hp, M, H, (float)eps);
   float *gp = gu.data_ptr<float>(), *ap = act.data_ptr<float>();
-  matmul_into(hp, M, H, wgu.data_ptr<int8_t>(), f32(sgu, "scales"), gp, 2 * I, false);
+  mm(hp, M, H, wgu, sgu, gp);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t i = 0; i < I; ++i) { const float g = gp[m * 2 * I + i]; ap[m * I + i] = g / (1.f + std::exp(-g)) * gp[m * 2 * I + I + i]; }
-  matmul_into(ap, M, I, wd.data_ptr<int8_t>(), f32(sd, "scales"), y.data_ptr<float>(), H, false);
-  return {y, res};
+  mm(ap, M, I, wd, sd, y.data_ptr<float>());
+  return {y.to(T), res.to(T)};
 }
 
 // ---- the small operations between the matmuls, for fp32 or bf16 activations
@@ -247,13 +283,13 @@ TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, int nh, int nkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
-  m.def("decode_layer_int8(Tensor x, Tensor residual, Tensor ln1, Tensor ln2, float eps, Tensor wqkv, Tensor sqkv, "
+  m.def("decode_layer(Tensor x, Tensor residual, Tensor ln1, Tensor ln2, float eps, Tensor wqkv, Tensor sqkv, "
         "Tensor wo, Tensor so, Tensor wgu, Tensor sgu, Tensor wd, Tensor sd, Tensor cos, Tensor sin, int nh, int nkv, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, Tensor context_lens, float scale) -> (Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(llm_engine, CPU, m) {
   m.impl("int8_linear", int8_linear);
-  m.impl("decode_layer_int8", decode_layer_int8);
+  m.impl("decode_layer", decode_layer);
   m.impl("add_rms_norm", add_rms_norm_op);
   m.impl("rope_store", rope_store);
   m.impl("silu_mul", silu_mul);
