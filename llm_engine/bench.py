@@ -427,8 +427,8 @@ def _machine() -> str:
 
 # llm_engine's own rows: (name, engine options, note); ratios in the table are against the first (fp32, the baseline)
 OURS = (("llm_engine", dict(dtype="float32", scheduling_policy="sjf"), "fp32, shortest prompt first"),
-        ("llm_engine bf16", dict(dtype="bfloat16", scheduling_policy="sjf"), "bf16 weights, activations and KV cache (oneDNN), sjf"),
-        ("llm_engine int8", dict(quantization="int8", scheduling_policy="sjf"), "int8 weight-only, fp32 activations, one C++ call per layer at decode, sjf"))
+        ("llm_engine bf16", dict(dtype="bfloat16", scheduling_policy="sjf"), "bf16 weights, activations and KV cache; one C++ call per layer at 1-3 rows, oneDNN beyond; sjf"),
+        ("llm_engine int8", dict(quantization="int8", scheduling_policy="sjf"), "int8 weight-only, fp32 activations; one C++ call per layer at 1-4 rows, dequantized bf16 beyond; sjf"))
 
 def _run_ours(reqs, threads, n, num_blocks, log_dir, name="llm_engine", opts=None, note="") -> tuple[dict, list]:
     from llm_engine.engine import LLM
