@@ -22,8 +22,8 @@ __all__ = ['log', 'PROTECTED', 'LOGPROB_FLOOR', 'router', 'TOOL_CALL_PARSERS', '
            'model_aliases', 'ServerContext', 'Guard', 'error_json', 'render_chat', 'chat_messages', 'chat_prompt_ids',
            'tools_active', 'completion_prompt_ids', 'prepare', 'start', 'start_all', 'ClientGone', 'until_done',
            'tok_str', 'json_logprob', 'chat_logprobs', 'completion_logprobs', 'join_logprobs', 'prompt_logprobs_json',
-           'usage', 'finish_reason', 'sse', 'sse_error', 'Cursor', 'chat_chunk', 'chat_stream', 'chat_chunks', 'merge',
-           'EventStream', 'completion_chunk', 'completion_stream', 'echo_text', 'echo_logprobs',
+           'usage', 'finish_reason', 'sse', 'sse_error', 'output_error', 'Cursor', 'chat_chunk', 'chat_stream',
+           'chat_chunks', 'merge', 'EventStream', 'completion_chunk', 'completion_stream', 'echo_text', 'echo_logprobs',
            'needs_prompt_logprobs', 'chat_completions', 'chat_response', 'completions', 'completion_choice', 'tokenize',
            'detokenize', 'health', 'models', 'stats', 'metrics', 'debug_trace', 'load_chat_template',
            'check_tool_call_parser', 'build_app', 'raise_open_file_limit', 'listen_socket', 'serve']
@@ -211,7 +211,7 @@ class ClientGone(Exception): "The client closed the connection before the answer
 async def _last(first, gen):
     out = first
     async for out in gen: pass
-    if out.error: raise APIError(500, out.error, "internal_error")
+    if out.error: raise output_error(out)
     return out
 
 async def until_done(request: Request, started) -> list[RequestOutput]:
@@ -272,7 +272,12 @@ def finish_reason(c): return {"abort": "stop", "error": "stop"}.get(c.finish_rea
 
 def sse(obj) -> str: return f"data: {json.dumps(obj.model_dump() if hasattr(obj, 'model_dump') else obj)}\n\n"
 
-def sse_error(message) -> str: return sse({"error": {"message": message, "type": "internal_error", "param": None, "code": None}})
+def sse_error(message, type="internal_error") -> str: return sse({"error": {"message": message, "type": type, "param": None, "code": None}})
+
+def output_error(out) -> APIError:
+    "A failed request's error: 400 where its own parameters cannot be met (a grammar no token can follow), else 500."
+    client = out.error_type == "invalid_request_error"
+    return APIError(400 if client else 500, out.error, out.error_type if client else "internal_error")
 
 # %% ../nbs/10_api.ipynb
 @dataclass
@@ -307,7 +312,7 @@ async def chat_stream(ctx, req, head: dict, first, gen):
     try:
         for i in range(req.n): yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
         async for out in _chain(first, gen):
-            if out.error: yield sse_error(out.error); return
+            if out.error: yield sse_error(out.error, output_error(out).type); return
             for c in out.outputs:
                 step = cursors.setdefault(c.index, Cursor()).advance(c)
                 for ch in chat_chunks(ctx, req, c, step, usage([out]) if so.continuous_usage_stats else None, parsers) if step else ():
@@ -390,7 +395,7 @@ async def completion_stream(ctx, req, head: dict, started):
     so, cursors, last = req.stream_options or StreamOptions(), {}, {}
     async with aclosing(merge(started)) as outputs:    # closed (its readers cancelled) as soon as this stream ends
         async for pi, o in outputs:
-            if o.error: yield sse_error(o.error); return
+            if o.error: yield sse_error(o.error, output_error(o).type); return
             last[pi] = o
             for c in o.outputs:
                 cur = cursors.setdefault((pi, c.index), Cursor())

@@ -38,6 +38,7 @@ class _Request:
     metrics: RequestMetrics = None
     error: str|None = None
     prompt_logprobs: list|None = None                # filled by position as the prompt's chunks are computed
+    error_type: str|None = None                      # "invalid_request_error" or "internal_error", with `error`
     @property
     def finished(self): return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
 
@@ -158,7 +159,7 @@ def step(self: LLMEngine) -> list[RequestOutput]:
         seq = rows[k].seq; req = self.requests.get(seq.request_id)
         if req is None or seq.is_finished: continue   # failed earlier in this step (another of its n)
         if smp.error:                                 # non-finite logits fail this request alone
-            touched[req.request_id] = self._fail(req, ValueError(smp.error)); continue
+            touched[req.request_id] = self._fail(req, ValueError(smp.error), smp.error_type); continue
         if req.params.n > len(req.seqs): self._fork(req, seq, res.logits[k], now)
         self._append(req, seq, smp, now)
         touched[req.request_id] = req
@@ -234,14 +235,21 @@ def _grammar_bitmask(self: LLMEngine, rows: int):
 @patch
 def _sample(self: LLMEngine, logits, seqs):
     "Grammar masks on the constrained rows (one pass over the batch), then one token per row."
-    matchers = [s.matcher for s in seqs]
+    matchers, dead = [s.matcher for s in seqs], []
     if any(m is not None for m in matchers):
         t0 = time.perf_counter()
-        apply_grammar_masks(logits, matchers, self._grammar_bitmask(len(seqs)))
+        masked = apply_grammar_masks(logits, matchers, self._grammar_bitmask(len(seqs)))
+        # a grammar that allows no token of this vocabulary (say a regex of characters it cannot spell): the request's fault
+        dead = [i for i in masked if bool((logits[i] == float("-inf")).all())]
         self.grammar_mask_time += time.perf_counter() - t0; self.grammar_mask_steps += 1
-    try: return sample(logits, seqs, self.eos_ids)
+    try: outs = sample(logits, seqs, self.eos_ids)
     except Exception:   # one row's parameters broke the batched sampler: sample row by row, so only that row fails
-        return [self._sample_row(logits[i:i + 1], s) for i, s in enumerate(seqs)]
+        outs = [self._sample_row(logits[i:i + 1], s) for i, s in enumerate(seqs)]
+    for i in dead:
+        outs[i] = SampleOutput(0, error=f"structured outputs: no token of this model's vocabulary can continue the output under "
+                                        f"its grammar (after {len(seqs[i].output_token_ids)} tokens); the constraint cannot be met",
+                               error_type="invalid_request_error")
+    return outs
 
 @patch
 def _sample_row(self: LLMEngine, logits, seq) -> SampleOutput:
@@ -255,7 +263,7 @@ def _accept(self: LLMEngine, req: _Request, seq: Sequence, smp) -> bool:
     if seq.matcher is None or seq.matcher.accept(smp.token_id): return True
     why = smp.error or "something else (allowed_token_ids, logit_bias, bad_words) masked every token the grammar allows"
     self._fail(req, ValueError(f"structured outputs: token {smp.token_id} ({self.tokenizer.decode([smp.token_id])!r}) "
-                               f"is not allowed by the grammar here; {why}"))
+                               f"is not allowed by the grammar here; {why}"), "invalid_request_error")
     return False
 
 # %% ../nbs/08_engine.ipynb
@@ -263,7 +271,8 @@ def _accept(self: LLMEngine, req: _Request, seq: Sequence, smp) -> bool:
 def _output(self: LLMEngine, req: _Request) -> RequestOutput:
     outs = [completion_output(s) for s in sorted(req.seqs, key=lambda s: s.index)]
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished or req.error is not None
-                         or any(s.finish_reason == "abort" for s in req.seqs), req.metrics, req.error, req.prompt_logprobs)
+                         or any(s.finish_reason == "abort" for s in req.seqs), req.metrics, req.error, req.prompt_logprobs,
+                         req.error_type)
 
 @patch
 def _finish_request(self: LLMEngine, req: _Request) -> RequestOutput:
@@ -280,8 +289,9 @@ def _finish_request(self: LLMEngine, req: _Request) -> RequestOutput:
     return self._output(req)
 
 @patch
-def _fail(self: LLMEngine, req: _Request, e: Exception) -> RequestOutput:
-    req.error = f"{type(e).__name__}: {e}"
+def _fail(self: LLMEngine, req: _Request, e: Exception, error_type="internal_error") -> RequestOutput:
+    "End `req` with an error: `invalid_request_error` where its own parameters cannot be met, else `internal_error`."
+    req.error, req.error_type = f"{type(e).__name__}: {e}", error_type
     for s in req.seqs: self.scheduler.finish(s, "error")
     self.requests.pop(req.request_id, None)
     return self._finish_request(req)

@@ -42,6 +42,7 @@ class RequestOutput:
     metrics: RequestMetrics|None = None
     error: str|None = None
     prompt_logprobs: list|None = None   # per prompt token: None (the first), else {token_id: logprob}, its own first
+    error_type: str|None = None         # OpenAI's: "invalid_request_error" (its own constraints cannot be met) or "internal_error"
 
 # %% ../nbs/07b_outputs.ipynb
 class _WindowDecoder:

@@ -95,6 +95,7 @@ class SampleOutput:
     logprob: float|None = None
     top_logprobs: dict = field(default_factory=dict)   # token id -> logprob
     error: str|None = None                              # this row could not be sampled (its logits were not finite)
+    error_type: str = "internal_error"                  # or "invalid_request_error": the request's own constraints left no token
 
 def apply_penalties(logits, rows):
     "Repetition, presence and frequency penalties, in place, row by row (only rows that ask)."
@@ -107,8 +108,10 @@ def apply_penalties(logits, rows):
             seen = torch.zeros(V, dtype=torch.bool)
             seen[torch.tensor(list(r.prompt_token_ids) + list(r.output_token_ids), dtype=torch.long)] = True
             l = logits[i]
-            # a tiny penalty would push a finite logit past float32's range: clamp, never inf
-            logits[i] = torch.where(seen, torch.where(l > 0, l / p.repetition_penalty, l * p.repetition_penalty), l).clamp(-_BIG, _BIG)
+            # a tiny penalty would push a finite logit past float32's range: clamp, never inf; and one below float32's
+            # smallest would round to 0, turning a grammar's -inf into NaN (-inf * 0): floor it there
+            rp = max(p.repetition_penalty, torch.finfo(torch.float32).tiny)
+            logits[i] = torch.where(seen, torch.where(l > 0, l / rp, l * rp), l).clamp(-_BIG, _BIG)
         if len(out) and (p.presence_penalty or p.frequency_penalty):
             counts = torch.bincount(out, minlength=V).to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
@@ -169,14 +172,18 @@ def sample(logits: torch.Tensor, rows, end_ids=()) -> list[SampleOutput]:
     lp = logits.log_softmax(-1) if any(r.params.logprobs is not None for r in rows) else None
     if any(r.params.penalized or r.params.processed or len(r.output_token_ids) < r.params.min_tokens for r in rows):
         logits = apply_processors(apply_penalties(logits.clone(), rows), rows, end_ids)
-    # a row with a NaN or +inf, or with every token masked, fails alone; the others are sampled as usual
-    bad = (logits.isnan() | (logits == float("inf"))).any(-1) | (logits == float("-inf")).all(-1)
+    # a row with a NaN or +inf (the engine's fault), or with every token masked (its request's constraints exclude each
+    # other), fails alone; the others are sampled as usual
+    broken, masked = (logits.isnan() | (logits == float("inf"))).any(-1), (logits == float("-inf")).all(-1)
+    bad = broken | masked
     if bad.any(): logits = logits.masked_fill(bad[:, None], 0.0)
     tokens = logits.argmax(-1).tolist()
     hot = [i for i, r in enumerate(rows) if not r.params.greedy and not bad[i]]
     if hot:
         for i, t in zip(hot, _draw(logits, rows, hot)): tokens[i] = t
-    outs = [SampleOutput(t, error="the logits are not finite (NaN or inf), or every token is masked" if bad[i] else None)
-            for i, t in enumerate(tokens)]
+    outs = [SampleOutput(t, error="the logits are not finite (NaN or inf)") if broken[i] else
+            SampleOutput(t, error="every token is masked: this request's constraints (logit_bias, allowed_token_ids, "
+                                  "bad_words, min_tokens, its grammar) leave none", error_type="invalid_request_error") if masked[i] else
+            SampleOutput(t) for i, t in enumerate(tokens)]
     if lp is not None: _add_logprobs(outs, rows, lp)
     return outs

@@ -301,3 +301,15 @@ def test_non_finite_logits_fail_one_request_alone(tiny):
         assert eng.block_manager.num_used_blocks == 0
     finally:
         aeng.shutdown()
+
+def test_unspellable_grammar_is_the_clients_400(small):
+    "A regex of characters the tiny tokenizer cannot spell leaves no token to sample: a 400 (invalid_request_error), never a 500."
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "guided_regex": "\x16\U0002a356"}
+    r = post(small, "/v1/chat/completions", body)
+    e = error_of(r, 400)
+    assert e["type"] == "invalid_request_error" and "no token of this model's vocabulary" in e["message"], e
+    with httpx.stream("POST", small.base + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+        events = [json.loads(l[6:]) for l in s.iter_lines() if l.startswith("data: {")]
+    assert events[-1]["error"]["type"] == "invalid_request_error", events[-1]
+    ok = post(small, "/v1/chat/completions", {**body, "guided_regex": "ab"})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "ab"
