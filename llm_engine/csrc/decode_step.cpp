@@ -119,25 +119,36 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& w_, const at::Ten
 // temporaries between the small ops. Activations are fp32 inside (the residual and the result come back in the
 // activations' dtype T), the K/V cache is T, the weights int8 (with scales), bf16 or fp32.
 
-static void add_rms_norm(float* res, const float* add, const float* w, float* out, int64_t M, int64_t H, float eps) {
-  for (int64_t m = 0; m < M; ++m) {
-    float* r = res + m * H; float ss = 0.f;
-    for (int64_t i = 0; i < H; ++i) { if (add) r[i] += add[m * H + i]; ss += r[i] * r[i]; }
-    const float inv = 1.f / std::sqrt(ss / H + eps);
-    for (int64_t i = 0; i < H; ++i) out[m * H + i] = r[i] * inv * w[i];
+// The row-wise pieces, shared by the fused layer (T = float) and the small ops below (T = float or bf16): the
+// arithmetic is fp32, each result rounded to T where it is stored.
+template <typename T> static inline float ld(const T* p, int64_t i) { return static_cast<float>(p[i]); }
+
+// one row: r = a + b (rounded to T, as PyTorch's add would be; without b, r = a), then out = r RMS-normalised by w.
+// r may be a (the residual updated in place)
+template <typename T>
+static void add_rms_norm_row(const T* a, const T* b, T* r, const float* w, T* out, int64_t H, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < H; ++i) {
+    if (b) r[i] = static_cast<T>(ld(a, i) + ld(b, i)); else if (r != a) r[i] = a[i];
+    const float v = ld(r, i); ss += v * v;
+  }
+  const float inv = 1.f / std::sqrt(ss / H + eps);
+  for (int64_t i = 0; i < H; ++i) out[i] = static_cast<T>(ld(r, i) * inv * w[i]);
+}
+
+// rotate-half RoPE of one head of width 2 * h2, from x into y (which may be x), by its token's cos / sin [h2]
+template <typename S, typename T>
+static void rope_head(const S* x, T* y, int64_t h2, const float* c, const float* s) {
+  for (int64_t i = 0; i < h2; ++i) {
+    const float a = ld(x, i), b = ld(x, i + h2);
+    y[i] = static_cast<T>(a * c[i] - b * s[i]); y[i + h2] = static_cast<T>(b * c[i] + a * s[i]);
   }
 }
 
-// rotate-half RoPE of `heads` heads of width D starting at p, by this row's cos / sin [D / 2]
-static void rope(float* p, int64_t heads, int64_t D, const float* c, const float* s) {
-  const int64_t h2 = D / 2;
-  for (int64_t h = 0; h < heads; ++h) {
-    float* x = p + h * D;
-    for (int64_t i = 0; i < h2; ++i) {
-      const float a = x[i], b = x[i + h2];
-      x[i] = a * c[i] - b * s[i]; x[i + h2] = b * c[i] + a * s[i];
-    }
-  }
+// one row: o = silu(gate) * up, from g = [gate (I), up (I)] as the fused gate_up projection writes them
+template <typename T>
+static void silu_mul_row(const T* g, T* o, int64_t I) {
+  for (int64_t i = 0; i < I; ++i) { const float a = ld(g, i); o[i] = static_cast<T>(a / (1.f + std::exp(-a)) * ld(g, I + i)); }
 }
 
 static const float* f32(const at::Tensor& t, const char* what) {
@@ -182,16 +193,21 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   TORCH_CHECK(cos.size(0) == M && cos.size(1) == D / 2 && slots.scalar_type() == at::kLong && slots.numel() == M, "decode_layer: cos, sin, slots");
   auto opt = x_.options().dtype(at::kFloat);
   const at::Tensor x = x_.to(at::kFloat).contiguous();
-  at::Tensor res = residual.numel() ? residual.to(at::kFloat, false, true).contiguous() : at::zeros_like(x);
+  at::Tensor res = residual.numel() ? residual.to(at::kFloat, false, true).contiguous() : at::empty_like(x);
   at::Tensor h = at::empty({M, H}, opt), qkv = at::empty({M, Q + 2 * KV}, opt), q = at::empty({M, nh, D}, x_.options());
   at::Tensor att = at::empty({M, nh, D}, x_.options()), gu = at::empty({M, 2 * I}, opt), act = at::empty({M, I}, opt), y = at::empty({M, H}, opt);
   const at::Tensor c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous(), sl = slots.contiguous();
   float *rp = res.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
-  add_rms_norm(rp, x.data_ptr<float>(), f32(ln1, "ln1"), hp, M, H, (float)eps);
+  const float *xp = x.data_ptr<float>(), *w1 = f32(ln1, "ln1"), *w2 = f32(ln2, "ln2");
+  for (int64_t m = 0; m < M; ++m)      // the first layer has no residual yet: it starts as x
+    add_rms_norm_row(residual.numel() ? rp + m * H : xp + m * H, residual.numel() ? xp + m * H : nullptr, rp + m * H, w1, hp + m * H, H, (float)eps);
   mm(hp, M, H, wqkv, sqkv, qkvp);
   const float *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>(); const int64_t* slp = sl.data_ptr<int64_t>();
   for (int64_t m = 0; m < M; ++m)      // q's heads, then k's: adjacent in the row
-    rope(qkvp + m * (Q + 2 * KV), nh + nkv, D, cp + m * (D / 2), sp + m * (D / 2));
+    for (int64_t hd = 0; hd < nh + nkv; ++hd) {
+      float* p = qkvp + m * (Q + 2 * KV) + hd * D;
+      rope_head(p, p, D / 2, cp + m * (D / 2), sp + m * (D / 2));
+    }
   if (T == at::kFloat) store_qkv(qkvp, q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slp, M, Q, KV);
   else store_qkv(qkvp, q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), slp, M, Q, KV);
   static auto decode = c10::Dispatcher::singleton().findSchemaOrThrow("llm_engine::paged_decode", "")
@@ -199,18 +215,15 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   decode.call(att, q, k_cache, v_cache, block_tables, context_lens, scale);
   const at::Tensor attf = att.to(at::kFloat).contiguous();
   mm(attf.data_ptr<float>(), M, Q, wo, so, y.data_ptr<float>());
-  add_rms_norm(rp, y.data_ptr<float>(), f32(ln2, "ln2"), hp, M, H, (float)eps);
+  for (int64_t m = 0; m < M; ++m) add_rms_norm_row(rp + m * H, y.data_ptr<float>() + m * H, rp + m * H, w2, hp + m * H, H, (float)eps);
   float *gp = gu.data_ptr<float>(), *ap = act.data_ptr<float>();
   mm(hp, M, H, wgu, sgu, gp);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t i = 0; i < I; ++i) { const float g = gp[m * 2 * I + i]; ap[m * I + i] = g / (1.f + std::exp(-g)) * gp[m * 2 * I + I + i]; }
+  for (int64_t m = 0; m < M; ++m) silu_mul_row(gp + m * 2 * I, ap + m * I, I);
   mm(ap, M, I, wd, sd, y.data_ptr<float>());
   return {y.to(T), res.to(T)};
 }
 
 // ---- the small operations between the matmuls, for fp32 or bf16 activations
-
-template <typename T> static inline float ld(const T* p, int64_t i) { return static_cast<float>(p[i]); }
 
 // (normed, new residual): residual + x (rounded to T, as PyTorch's add would be), then RMS-normalised by w
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_op(const at::Tensor& x_, const at::Tensor& residual, const at::Tensor& w_, double eps) {
@@ -223,13 +236,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_op(const at::Tensor& x_, const a
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>(); scalar_t *rp = res.data_ptr<scalar_t>(), *op = out.data_ptr<scalar_t>();
     const float* wp = w.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) {
-      scalar_t* r = rp + m * H; float ss = 0.f;
-      if (r0.numel()) { const scalar_t* a = r0.data_ptr<scalar_t>() + m * H; for (int64_t i = 0; i < H; ++i) r[i] = static_cast<scalar_t>(ld(xp + m * H, i) + ld(a, i)); }
-      for (int64_t i = 0; i < H; ++i) { const float v = ld(r, i); ss += v * v; }
-      const float inv = 1.f / std::sqrt(ss / H + (float)eps);
-      for (int64_t i = 0; i < H; ++i) op[m * H + i] = static_cast<scalar_t>(ld(r, i) * inv * wp[i]);
-    }
+    for (int64_t m = 0; m < M; ++m)
+      add_rms_norm_row(xp + m * H, r0.numel() ? r0.data_ptr<scalar_t>() + m * H : nullptr, rp + m * H, wp, op + m * H, H, (float)eps);
   });
   return {out, res};
 }
@@ -248,14 +256,8 @@ at::Tensor rope_store(const at::Tensor& qkv_, const at::Tensor& cos_, const at::
     const int64_t* slp = sl.data_ptr<int64_t>();
     for (int64_t m = 0; m < M; ++m) {
       const scalar_t* row = src + m * (Q + 2 * KV); const float *cm = c.data_ptr<float>() + m * h2, *sm = s.data_ptr<float>() + m * h2;
-      for (int64_t h = 0; h < nh + nkv; ++h) {      // q's heads, then k's: adjacent in the row
-        const scalar_t* x = row + h * D;
-        scalar_t* y = h < nh ? qp + m * Q + h * D : kc + slp[m] * KV + (h - nh) * D;
-        for (int64_t i = 0; i < h2; ++i) {
-          const float a = ld(x, i), b = ld(x, i + h2);
-          y[i] = static_cast<scalar_t>(a * cm[i] - b * sm[i]); y[i + h2] = static_cast<scalar_t>(b * cm[i] + a * sm[i]);
-        }
-      }
+      for (int64_t h = 0; h < nh + nkv; ++h)        // q's heads, then k's: adjacent in the row
+        rope_head(row + h * D, h < nh ? qp + m * Q + h * D : kc + slp[m] * KV + (h - nh) * D, h2, cm, sm);
       std::copy(row + Q + KV, row + Q + 2 * KV, vc + slp[m] * KV);
     }
   });
@@ -269,8 +271,7 @@ at::Tensor silu_mul(const at::Tensor& gu_) {
   at::Tensor out = at::empty({M, I}, gu.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gu.scalar_type(), "silu_mul", [&] {
     const scalar_t* g = gu.data_ptr<scalar_t>(); scalar_t* o = out.data_ptr<scalar_t>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t i = 0; i < I; ++i) { const float a = ld(g, m * 2 * I + i); o[m * I + i] = static_cast<scalar_t>(a / (1.f + std::exp(-a)) * ld(g, m * 2 * I + I + i)); }
+    for (int64_t m = 0; m < M; ++m) silu_mul_row(g + m * 2 * I, o + m * I, I);
   });
   return out;
 }
