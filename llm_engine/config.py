@@ -145,14 +145,14 @@ class SpeculativeConfig:
     def enabled(self): return self.num_speculative_tokens > 0
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "q4")
 
 @dataclass
 class EngineConfig:
     "Everything an `LLMEngine` needs. `model=None` means the embedded default model."
     model: str|None = None
     dtype: str = "auto"                # "auto" (resolve_dtype: bfloat16 on CUDA and bf16-capable CPUs, else float32), "float32", "bfloat16", "float16"
-    quantization: str|None = None      # None, or "int8": int8 weights with one scale per output channel (notebook 05b)
+    quantization: str|None = None      # None, "int8" (one scale per output channel) or "q4" (GGUF Q4_1 blocks): notebook 05b
     seed: int = 0
     num_threads: int|None = None
     attention_backend: str = "auto"    # decode attention: "cpp" (in-place C++ kernel), "torch" (gather + SDPA), or "auto"

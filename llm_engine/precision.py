@@ -15,7 +15,8 @@ from .attention import AttentionMetadata, build_cpu_kernel, load_decode_kernel
 from .rope import RotaryEmbedding
 
 # %% auto 0
-__all__ = ['STEP_KERNELS_SRC', 'QUANTIZERS', 'load_step_kernels', 'Int8Linear', 'quantize_linears', 'FusedDecode', 'fuse_decode',
+__all__ = ['STEP_KERNELS_SRC', 'Q4_GROUP', 'Q4_BYTES', 'QUANTIZERS', 'load_step_kernels', 'WeightOnlyLinear', 'Int8Linear',
+           'quantize_q4', 'dequantize_q4', 'Q4Linear', 'quantize_linears', 'FusedDecode', 'fuse_decode',
            'forward_logits', 'Agreement', 'compare_logits', 'best_of', 'weight_bytes_per_token']
 
 # %% ../nbs/05b_precision.ipynb
@@ -25,41 +26,86 @@ def load_step_kernels() -> str|None:
     "Our decode-step kernels (`csrc/decode_step.cpp`: the int8 matmul, the fused small ops and layer): `None` if loaded, else why not."
     return build_cpu_kernel("llm_engine_decode_step", STEP_KERNELS_SRC)
 
-class Int8Linear(nn.Module):
-    "int8 weights with one scale per output channel (symmetric, from the fp32 weights)."
-    small_batch = 4     # rows up to which our int8 kernel beats oneDNN's bf16 matmul on the dequantized weight (measured above)
+class WeightOnlyLinear(nn.Module):
+    "A linear layer whose weight is stored in fewer bits and widened to fp32 inside the matmul; subclasses say how."
+    small_batch = 4     # rows up to which our kernels beat oneDNN's bf16 matmul on the dequantized weight (measured above)
     def __init__(self, lin: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.register_buffer("bias", None if lin.bias is None else lin.bias.detach().clone())
+        self.kernel = load_step_kernels() is None    # compiled once per machine
+        self.packed = None                           # the dequantized bf16 weight for large batches, made on first use
+    def few_rows(self, x2): "`x2 @ W.T` for a decode step's few rows, or None to take the large-batch path."
+    def dequantized(self) -> torch.Tensor: "The fp32 weight `[out, in]` the stored one stands for."
+    def forward(self, x):
+        lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features)
+        cpu = x.device.type == "cpu"
+        y = self.few_rows(x2) if cpu and x2.shape[0] <= self.small_batch else None
+        if y is None and cpu and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            if self.packed is None:     # large batches are compute-bound: oneDNN's bf16 matmul on the dequantized weight, packed once
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.dequantized().bfloat16(), 32)
+            y = torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16), self.packed, None, "none", [], "")
+        elif y is None: y = F.linear(x2.to(torch.bfloat16), self.dequantized().to(x2.device, torch.bfloat16))
+        if self.bias is not None: y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features).to(x.dtype)
+
+class Int8Linear(WeightOnlyLinear):
+    "int8 weights with one scale per output channel (symmetric, from the fp32 weights)."
+    def __init__(self, lin: nn.Linear):
+        super().__init__(lin)
         w = lin.weight.detach().float()
         # the scale is rounded to bf16 first, so the int8 values are chosen for the scale the kernel will use
         scales = (w.abs().amax(1).clamp(min=1e-12) / 127).to(torch.bfloat16)
         self.register_buffer("weight", torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
         self.register_buffer("scales", scales)
-        self.register_buffer("bias", None if lin.bias is None else lin.bias.detach().clone())
-        self.kernel = load_step_kernels() is None    # compiled once per machine; without a compiler, torch's int8 kernel
-        self.packed = None                           # the dequantized bf16 weight for large batches, made on first use
-    def forward(self, x):
-        lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features)
-        if x2.shape[0] <= self.small_batch and x.device.type == "cpu":
-            if self.kernel: y = torch.ops.llm_engine.int8_linear(x2, self.weight, self.scales)
-            else: y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.weight, self.scales.to(torch.bfloat16))
-        elif x.device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            if self.packed is None:     # large batches are compute-bound: oneDNN's bf16 matmul on weight * scale, packed once
-                self.packed = torch.ops.mkldnn._reorder_linear_weight((self.weight.float() * self.scales.float()[:, None]).bfloat16(), 32)
-            y = torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16), self.packed, None, "none", [], "")
-        else: y = F.linear(x2.to(torch.bfloat16), self.weight.to(torch.bfloat16)) * self.scales    # int8 values are exact in bf16
-        if self.bias is not None: y = y + self.bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features).to(x.dtype)
+    def few_rows(self, x2):
+        if self.kernel: return torch.ops.llm_engine.int8_linear(x2, self.weight, self.scales)
+        return torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.weight, self.scales.to(torch.bfloat16))
+    def dequantized(self): return self.weight.float() * self.scales.float()[:, None]
 
-QUANTIZERS = {"int8": Int8Linear}
+
+# %% ../nbs/05b_precision.ipynb
+Q4_GROUP, Q4_BYTES = 32, 20      # weights per block; bytes per block: d and m (fp16), then 16 bytes of two nibbles each
+
+def quantize_q4(w: torch.Tensor) -> torch.Tensor:
+    "`w` [N, K] as Q4_1 blocks, uint8 [N, K/32 * 20]; per row all (d, m) pairs, then the blocks' bytes interleaved two by two."
+    N, K = w.shape
+    if K % (2 * Q4_GROUP): raise ValueError(f"q4 needs an input width that is a multiple of {2 * Q4_GROUP}, not {K}")
+    g = w.detach().float().reshape(N, K // Q4_GROUP, Q4_GROUP)
+    lo = g.amin(-1)
+    d, m = ((g.amax(-1) - lo) / 15).half(), lo.half()
+    q = torch.round((g - m.float()[..., None]) / d.float().clamp(min=1e-30)[..., None]).clamp(0, 15).to(torch.uint8)
+    dm = torch.stack([d, m], -1).view(torch.uint8).reshape(N, -1)           # the fp16 values' bytes
+    qs = (q[..., :16] | (q[..., 16:] << 4)).reshape(N, -1, 2, 16).transpose(2, 3)  # file bytes j of blocks 2p, 2p+1 side by side
+    return torch.cat([dm, qs.reshape(N, -1)], -1).contiguous()
+
+def dequantize_q4(p: torch.Tensor) -> torch.Tensor:
+    "The fp32 weight [N, K] that Q4 rows `p` [N, K/32 * 20] stand for: d·q + m."
+    N, G = p.shape[0], p.shape[1] // Q4_BYTES
+    dm = p[:, :4 * G].contiguous().view(torch.float16).float().reshape(N, G, 2)
+    b = p[:, 4 * G:].reshape(N, G // 2, 16, 2).transpose(2, 3).reshape(N, G, 16)
+    q = torch.cat([b & 15, b >> 4], -1).float()
+    return torch.addcmul(dm[..., 1:], q, dm[..., :1]).reshape(N, -1)
+
+class Q4Linear(WeightOnlyLinear):
+    "4-bit weights in GGUF's Q4_1 blocks: a scale and a minimum per 32 weights."
+    def __init__(self, lin: nn.Linear):
+        super().__init__(lin)
+        self.register_buffer("weight", quantize_q4(lin.weight))
+    def few_rows(self, x2): return torch.ops.llm_engine.q4_linear(x2, self.weight) if self.kernel else None
+    def dequantized(self): return dequantize_q4(self.weight)
+
+def _q4_or_int8(lin, name):
+    return Int8Linear(lin) if name == "lm_head" or lin.in_features % (2 * Q4_GROUP) else Q4Linear(lin)
+
+QUANTIZERS = {"int8": lambda lin, name: Int8Linear(lin), "q4": _q4_or_int8}
 
 def quantize_linears(model: nn.Module, method: str = "int8") -> nn.Module:
     "Replace every `nn.Linear` (the tied lm_head too; the embedding stays exact) by its quantized form."
     if method not in QUANTIZERS: raise ValueError(f"quantization must be one of {', '.join(QUANTIZERS)}, not {method!r}")
     for mod in list(model.modules()):
         for name, child in list(mod.named_children()):
-            if type(child) is nn.Linear: setattr(mod, name, QUANTIZERS[method](child))
+            if type(child) is nn.Linear: setattr(mod, name, QUANTIZERS[method](child, name))
     return model
 
 # %% ../nbs/05b_precision.ipynb
@@ -72,11 +118,12 @@ class FusedDecode:
         f32 = lambda t: t.detach().float().contiguous()
         # the one-call layer reads plain weights: int8 with its scales, or bf16 / fp32 as loaded (kept when
         # prepack_linears later gives the modules oneDNN's packed layout, which only oneDNN can read)
+        # (Q4 blocks carry their scales inside: no separate tensor)
         plain = lambda q: (q.weight, f32(q.scales)) if isinstance(q, Int8Linear) else (q.weight.detach().contiguous(), self.none)
         self.small = [(f32(l.input_layernorm.weight), f32(l.post_attention_layernorm.weight), *[t for q in self._lins(l) for t in plain(q)])
                       for l in model.layers]
-        self.int8 = isinstance(model.layers[0].self_attn.qkv_proj, Int8Linear)
-        self.max_rows = Int8Linear.small_batch if self.int8 else 3    # rows up to which the one-call layer wins (measured below)
+        self.quantized = isinstance(model.layers[0].self_attn.qkv_proj, WeightOnlyLinear)
+        self.max_rows = WeightOnlyLinear.small_batch if self.quantized else 3    # rows up to which the one-call layer wins (measured below)
         self.rebind(model)
     @staticmethod
     def _lins(l): return (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj)
@@ -105,11 +152,11 @@ class FusedDecode:
         return x, residual
 
 def fuse_decode(model) -> bool:
-    "Install `FusedDecode` as `model.decode_step` for a CPU model with bf16 activations or int8 weights; True if installed."
+    "Install `FusedDecode` as `model.decode_step` for a CPU model with bf16 activations or quantized weights; True if installed."
     w, lins = model.embed_tokens.weight, [q for l in model.layers for q in FusedDecode._lins(l)]
-    int8 = all(isinstance(q, Int8Linear) for q in lins)     # their kernel and bias are the checks below
-    ok = (w.device.type == "cpu" and all(type(q) in (nn.Linear, Int8Linear) and q.bias is None for q in lins)
-          and (w.dtype == torch.bfloat16 or (w.dtype == torch.float32 and int8))
+    quantized = all(isinstance(q, WeightOnlyLinear) for q in lins)     # their kernel and bias are the checks below
+    ok = (w.device.type == "cpu" and all(type(q) in (nn.Linear, Int8Linear, Q4Linear) and q.bias is None for q in lins)
+          and (w.dtype == torch.bfloat16 or (w.dtype == torch.float32 and quantized))
           and load_step_kernels() is None)    # fp32 without int8 (the exact path the parity tests hold) keeps the layer loop
     model.decode_step = FusedDecode(model) if ok else None
     return ok

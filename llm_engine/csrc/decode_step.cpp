@@ -4,13 +4,16 @@
 //   used by every row of x; the arithmetic is fp32.
 // - add_rms_norm, rope_store, silu_mul: the small operations between a layer's matmuls, one call each instead of
 //   five to ten PyTorch calls, for fp32 or bf16 activations (arithmetic in fp32, results rounded to the activations' dtype).
-// - decode_layer: a whole decoder layer in one call for a few rows, weights int8 (with scales), bf16 or fp32.
+// - q4_linear: the same for 4-bit weights in GGUF's Q4_1 blocks (a scale and a minimum per 32 weights).
+// - decode_layer: a whole decoder layer in one call for a few rows, weights Q4, int8 (with scales), bf16 or fp32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <tuple>
+#include <vector>
 #include <ATen/core/dispatch/Dispatcher.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -115,6 +118,95 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& w_, const at::Ten
   return x_.scalar_type() == at::kFloat ? y : y.to(x_.scalar_type());
 }
 
+// ---- 4-bit weights: GGUF's Q4_1 blocks of 32 weights along k, each a scale d and a minimum m (fp16) and 32 4-bit q,
+// weight = d q + m. Weights de-quantized from a Q4_1 file (the embedded model's layers) are held exactly, in 0.625
+// bytes per weight against int8's 1: a decode step streams its weights, so fewer bytes is a faster step.
+// A row of K weights (K a multiple of 64, G = K / 32 blocks) is laid out for the kernel rather than as the file has it:
+// first the G (d, m) pairs (4 bytes each), then the blocks two by two, 32 bytes per pair: byte 2j is block 2p's byte j
+// (its weight j in the low nibble, weight j + 16 in the high one, as in the file) and byte 2j + 1 block 2p + 1's byte j.
+// So one 16-bit lane holds the four nibbles of weight j of both blocks, and one widening load serves 64 weights.
+constexpr int64_t Q4_GROUP = 32, Q4_BYTES = 20;
+constexpr int64_t Q4_PREFETCH = 256;   // bytes ahead (8 pairs of blocks)
+
+static inline float half_bits(const uint8_t* p) {
+  uint16_t h; std::memcpy(&h, p, 2); return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+static void block_q4_generic(const float* x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t G = K / Q4_GROUP;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      const uint8_t *row = w + n * G * Q4_BYTES, *qs = row + 4 * G;
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const float d = half_bits(row + 4 * g), mn = half_bits(row + 4 * g + 2), *xr = x + m * K + g * Q4_GROUP;
+        const uint8_t* b = qs + 32 * (g / 2) + g % 2;
+        for (int j = 0; j < 16; ++j) acc += xr[j] * (d * (b[2 * j] & 15) + mn) + xr[j + 16] * (d * (b[2 * j] >> 4) + mn);
+      }
+      y[m * N + n] = acc;
+    }
+}
+
+#if defined(__AVX512F__)
+// A block's 16 possible weights, d * [0..15] + m, are a table of 16 floats, one register: vpermps looks each 4-bit q
+// up in it (it reads only an index's low 4 bits, so a shift is all a nibble needs), with no int-to-float conversion.
+// d q + m is one rounding, as the de-quantizer computes it: the weights multiplied are bit for bit the fp32 ones.
+template <int R>
+static void row_q4_avx512(const float* x, int64_t K, const uint8_t* wr, float* y, int64_t N, float* dm) {
+  const __m512 iota = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
+  const int64_t G = K / Q4_GROUP;
+  int64_t i = 0;     // the row's (d, m) to fp32 first, 8 pairs per conversion; the blocks then broadcast them from memory
+  for (; i + 16 <= 2 * G; i += 16) _mm512_storeu_ps(dm + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wr + 2 * i))));
+  for (; i < 2 * G; ++i) dm[i] = half_bits(wr + 2 * i);
+  const uint8_t* qs = wr + 4 * G;
+  __m512 acc[4][R];
+  for (int u = 0; u < 4; ++u) for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < G / 2; ++p) {
+    _mm_prefetch((const char*)(qs + 32 * p + Q4_PREFETCH), _MM_HINT_T0);
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(qs + 32 * p)));
+    const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[4 * p]), _mm512_set1_ps(dm[4 * p + 1]));
+    const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[4 * p + 2]), _mm512_set1_ps(dm[4 * p + 3]));
+    const __m512 w[4] = {_mm512_permutexvar_ps(v, t0), _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t0),
+                         _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), t1), _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), t1)};
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < 4; ++u) acc[u][r] = _mm512_fmadd_ps(w[u], _mm512_loadu_ps(x + r * K + 64 * p + 16 * u), acc[u][r]);
+  }
+  for (int r = 0; r < R; ++r)
+    y[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0][r], acc[1][r]), _mm512_add_ps(acc[2][r], acc[3][r])));
+}
+
+static void block_q4_avx512(const float* x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
+  static void (*const rows[RB + 1])(const float*, int64_t, const uint8_t*, float*, int64_t, float*) =
+      {nullptr, row_q4_avx512<1>, row_q4_avx512<2>, row_q4_avx512<3>, row_q4_avx512<4>};
+  thread_local std::vector<float> dm;
+  dm.resize(2 * K / Q4_GROUP);
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; m += RB)
+      rows[std::min<int64_t>(RB, M - m)](x + m * K, K, w + n * K / Q4_GROUP * Q4_BYTES, y + m * N + n, N, dm.data());
+}
+#endif
+
+static void matmul_q4_into(const float* xp, int64_t M, int64_t K, const uint8_t* wp, float* yp, int64_t N, bool generic) {
+  at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
+#if defined(__AVX512F__)
+    if (!generic) { block_q4_avx512(xp, M, K, wp, yp, N, n0, n1); return; }
+#endif
+    block_q4_generic(xp, M, K, wp, yp, N, n0, n1);
+  });
+}
+
+// x [M, K] fp32 or bf16, w [N, K / 32 * 20] uint8 (Q4_1 blocks, laid out as above) -> [M, N] in x's dtype (the arithmetic is fp32)
+at::Tensor q4_linear(const at::Tensor& x_, const at::Tensor& w_, bool generic) {
+  TORCH_CHECK(x_.dim() == 2 && w_.dim() == 2 && x_.size(1) % (2 * Q4_GROUP) == 0 && w_.size(1) == x_.size(1) / Q4_GROUP * Q4_BYTES,
+              "q4_linear: x [M, K] (K a multiple of 64) and w [N, K / 32 * 20]");
+  TORCH_CHECK(w_.scalar_type() == at::kByte, "q4_linear: w must be uint8");
+  const at::Tensor x = x_.to(at::kFloat).contiguous(), w = w_.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  matmul_q4_into(x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), y.data_ptr<float>(), N, generic);
+  return x_.scalar_type() == at::kFloat ? y : y.to(x_.scalar_type());
+}
+
 // ---- one whole decoder layer for a decode step (every row one new token), in one call: no Python, no
 // temporaries between the small ops. Activations are fp32 inside (the residual and the result come back in the
 // activations' dtype T), the K/V cache is T, the weights int8 (with scales), bf16 or fp32.
@@ -156,16 +248,20 @@ static const float* f32(const at::Tensor& t, const char* what) {
   return t.data_ptr<float>();
 }
 
-// y [M, N] = x [M, K] times w [N, K]: int8 with scales [N], or bf16 / fp32 (scales empty)
+// y [M, N] = x [M, K] times w [N, K]: int8 with scales [N], or bf16 / fp32 (scales empty), or Q4_1 blocks [N, K / 32 * 20]
 static void mm(const float* x, int64_t M, int64_t K, const at::Tensor& w, const at::Tensor& s, float* y) {
-  TORCH_CHECK(w.is_contiguous() && w.size(1) == K, "decode_layer: weights [N, K], contiguous");
   const int64_t N = w.size(0);
+  if (w.scalar_type() == at::kByte) {
+    TORCH_CHECK(w.is_contiguous() && K % (2 * Q4_GROUP) == 0 && w.size(1) == K / Q4_GROUP * Q4_BYTES, "decode_layer: Q4 weights [N, K / 32 * 20], contiguous");
+    return matmul_q4_into(x, M, K, w.data_ptr<uint8_t>(), y, N, false);
+  }
+  TORCH_CHECK(w.is_contiguous() && w.size(1) == K, "decode_layer: weights [N, K], contiguous");
   switch (w.scalar_type()) {
     case at::kChar: TORCH_CHECK(s.numel() == N, "decode_layer: int8 weights need one scale per row");
                     matmul_into(x, M, K, w.data_ptr<int8_t>(), f32(s, "scales"), y, N, false); break;
     case at::kBFloat16: matmul_into(x, M, K, w.data_ptr<at::BFloat16>(), (const float*)nullptr, y, N, false); break;
     case at::kFloat: matmul_into(x, M, K, w.data_ptr<float>(), (const float*)nullptr, y, N, false); break;
-    default: TORCH_CHECK(false, "decode_layer: weights must be int8, bf16 or fp32");
+    default: TORCH_CHECK(false, "decode_layer: weights must be Q4 (uint8), int8, bf16 or fp32");
   }
 }
 
@@ -187,7 +283,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   const auto T = x_.scalar_type();
   const int64_t M = x_.size(0), H = x_.size(1), D = k_cache.size(3), Q = nh * D, KV = nkv * D, I = wgu.size(0) / 2;
   TORCH_CHECK(T == at::kFloat || T == at::kBFloat16, "decode_layer: fp32 or bf16 activations");
-  TORCH_CHECK(wqkv.size(0) == Q + 2 * KV && wo.size(1) == Q && wd.size(1) == I, "decode_layer: weight shapes");
+  TORCH_CHECK(wqkv.size(0) == Q + 2 * KV && wo.size(0) == H && wd.size(0) == H, "decode_layer: weight shapes");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == T && v_cache.scalar_type() == T &&
               k_cache.size(2) == nkv, "decode_layer: contiguous caches [blocks, block_size, kv_heads, D] in the activations' dtype");
   TORCH_CHECK(cos.size(0) == M && cos.size(1) == D / 2 && slots.scalar_type() == at::kLong && slots.numel() == M, "decode_layer: cos, sin, slots");
@@ -281,6 +377,7 @@ bool int8_linear_vectorized() { return has_vector_path(); }
 TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, bool generic=False) -> Tensor");
   m.def("int8_linear_vectorized() -> bool", &int8_linear_vectorized);
+  m.def("q4_linear(Tensor x, Tensor w, bool generic=False) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, int nh, int nkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
@@ -290,6 +387,7 @@ TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
 }
 TORCH_LIBRARY_IMPL(llm_engine, CPU, m) {
   m.impl("int8_linear", int8_linear);
+  m.impl("q4_linear", q4_linear);
   m.impl("decode_layer", decode_layer);
   m.impl("add_rms_norm", add_rms_norm_op);
   m.impl("rope_store", rope_store);
