@@ -611,6 +611,11 @@ def serve(server: ServerConfig|None = None, engine=None, **engine_kw):
     # built on its own loop thread (one OpenMP team: notebook 08); tensor-parallel ranks start from the main thread
     aeng = AsyncLLMEngine(cfg if cfg.tensor_parallel_size == 1 else LLMEngine(cfg)).start()
     app = build_app(aeng, s.served_model_name, s.api_key, s.max_body_bytes, s.allowed_origins, s.chat_template, s.tool_call_parser)
+    # what is built by now (model, tokenizer, app: some 390k objects) lives as long as the server, so it leaves the
+    # cyclic collector's view: a full collection over it took 220 ms here, a stall of every stream in flight (vLLM
+    # freezes its engine's objects the same way); unfrozen at exit, so extension modules see their objects freed
+    import gc, atexit
+    gc.collect(); gc.freeze(); atexit.register(gc.unfreeze)
     bm, limit = aeng.engine.block_manager, s.limit_concurrency or max(16, int(nofile * 0.9) - 64)
     print(f"llm_engine: serving {app.state.ctx.name} on http://{s.host}:{s.port}/v1 ({bm.num_blocks} KV blocks of {bm.block_size} tokens; "
           f"up to {limit} connections)", flush=True)

@@ -7,12 +7,13 @@
 #include <cmath>
 #include <vector>
 
-// one sequence: scores, softmax, weighted values. T: the cache's element type (float or BFloat16; bf16 is widened to
-// fp32 in registers, so the arithmetic is fp32 either way). DC: head_dim known at compile time (0: use D)
+// one sequence's heads h0..h1-1: scores, softmax, weighted values. T: the cache's element type (float or BFloat16;
+// bf16 is widened to fp32 in registers, so the arithmetic is fp32 either way). DC: head_dim known at compile time (0: use D)
 template <typename T, int DC>
 static void decode_one(T* ob_t, const T* qb_t, const T* kp, const T* vp, const int64_t* table, int64_t L,
                        int64_t H, int64_t G, int64_t Dr, int64_t bs, int64_t kb, int64_t kt, int64_t kh,
-                       int64_t vb, int64_t vt, int64_t vh, float sc, std::vector<float>& s, std::vector<float>& qo) {
+                       int64_t vb, int64_t vt, int64_t vh, float sc, std::vector<float>& s, std::vector<float>& qo,
+                       int64_t h0, int64_t h1) {
   const int64_t D = DC ? DC : Dr, nblk = (L + bs - 1) / bs;
   // blocks lie anywhere in the pool, which defeats the hardware prefetcher: ask for the next ones ourselves
   auto prefetch = [&](const T* base, int64_t stride, int64_t i) {
@@ -22,13 +23,13 @@ static void decode_one(T* ob_t, const T* qb_t, const T* kp, const T* vp, const i
   };
   s.resize(H * L); qo.resize(2 * H * D);
   float* qb = qo.data(); float* ob = qb + H * D;    // the query and the output row in fp32
-  for (int64_t i = 0; i < H * D; ++i) qb[i] = static_cast<float>(qb_t[i]);
+  for (int64_t i = h0 * D; i < h1 * D; ++i) qb[i] = static_cast<float>(qb_t[i]);
   prefetch(kp, kb, 0); prefetch(kp, kb, 1);
   for (int64_t i = 0; i < nblk; ++i) {            // scores: every head against each key row of block i
     prefetch(kp, kb, i + 2);
     const T* blk = kp + table[i] * kb;
     const int64_t l0 = i * bs, n = std::min(bs, L - l0);
-    for (int64_t h = 0; h < H; ++h) {
+    for (int64_t h = h0; h < h1; ++h) {
       const float* qh = qb + h * D; const T* kk = blk + (h / G) * kh;
       int64_t t = 0;
       for (; t + 4 <= n; t += 4) {               // four independent dot products at a time
@@ -51,7 +52,7 @@ static void decode_one(T* ob_t, const T* qb_t, const T* kp, const T* vp, const i
       }
     }
   }
-  for (int64_t h = 0; h < H; ++h) {              // softmax per head
+  for (int64_t h = h0; h < h1; ++h) {            // softmax per head
     float* sh = s.data() + h * L; float m = sh[0], sum = 0.f;
     for (int64_t l = 1; l < L; ++l) m = std::max(m, sh[l]);
     #pragma omp simd reduction(+:sum)
@@ -59,13 +60,13 @@ static void decode_one(T* ob_t, const T* qb_t, const T* kp, const T* vp, const i
     const float inv = 1.f / sum;
     for (int64_t l = 0; l < L; ++l) sh[l] *= inv;
   }
-  std::fill(ob, ob + H * D, 0.f);                // weighted sum of the value rows, block by block
+  std::fill(ob + h0 * D, ob + h1 * D, 0.f);      // weighted sum of the value rows, block by block
   prefetch(vp, vb, 0); prefetch(vp, vb, 1);
   for (int64_t i = 0; i < nblk; ++i) {
     prefetch(vp, vb, i + 2);
     const T* blk = vp + table[i] * vb;
     const int64_t l0 = i * bs, n = std::min(bs, L - l0);
-    for (int64_t h = 0; h < H; ++h) {
+    for (int64_t h = h0; h < h1; ++h) {
       float acc[DC ? DC : 1024];                  // this head's output row, kept in registers when DC is known
       float* o = ob + h * D; const T* vv = blk + (h / G) * vh; const float* p = s.data() + h * L + l0;
       for (int64_t d = 0; d < D; ++d) acc[d] = o[d];
@@ -77,7 +78,7 @@ static void decode_one(T* ob_t, const T* qb_t, const T* kp, const T* vp, const i
       for (int64_t d = 0; d < D; ++d) o[d] = acc[d];
     }
   }
-  for (int64_t i = 0; i < H * D; ++i) ob_t[i] = static_cast<T>(ob[i]);
+  for (int64_t i = h0 * D; i < h1 * D; ++i) ob_t[i] = static_cast<T>(ob[i]);
 }
 
 template <typename T>
@@ -88,13 +89,25 @@ static void decode_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
   const T *qp = q.data_ptr<T>(), *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const int64_t NT = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B));
+  const int64_t threads = at::get_num_threads(), NT = std::max<int64_t>(1, std::min<int64_t>(threads, B));
   auto one = D == 64 ? decode_one<T, 64> : D == 128 ? decode_one<T, 128> : decode_one<T, 0>;
+  if (B < threads && H > 1) {     // fewer rows than threads (batch 1): each thread takes a share of every row's heads
+    const int64_t P = std::min<int64_t>(H, (threads + B - 1) / B);
+    at::parallel_for(0, B * P, 1, [&](int64_t u0, int64_t u1) {
+      std::vector<float> s, qo;
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t b = u / P, part = u % P;
+        one(op + b * H * D, qp + b * H * D, kp, vp, btp + b * W, clp[b], H, G, D, bs, kb, kt, kh, vb, vt, vh, sc, s, qo,
+            part * H / P, (part + 1) * H / P);
+      }
+    });
+    return;
+  }
   at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> s, qo;
     for (int64_t tid = t0; tid < t1; ++tid)
       for (int64_t b = tid; b < B; b += NT)          // round robin, as rows arrive sorted by length
-        one(op + b * H * D, qp + b * H * D, kp, vp, btp + b * W, clp[b], H, G, D, bs, kb, kt, kh, vb, vt, vh, sc, s, qo);
+        one(op + b * H * D, qp + b * H * D, kp, vp, btp + b * W, clp[b], H, G, D, bs, kb, kt, kh, vb, vt, vh, sc, s, qo, 0, H);
   });
 }
 
