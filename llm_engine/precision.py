@@ -122,6 +122,7 @@ class FusedDecode:
         plain = lambda q: (q.weight, f32(q.scales)) if isinstance(q, Int8Linear) else (q.weight.detach().contiguous(), self.none)
         self.small = [(f32(l.input_layernorm.weight), f32(l.post_attention_layernorm.weight), *[t for q in self._lins(l) for t in plain(q)])
                       for l in model.layers]
+        self.columns = [list(c) for c in zip(*self.small)]    # the same, one list per argument: all layers in one call
         self.quantized = isinstance(model.layers[0].self_attn.qkv_proj, WeightOnlyLinear)
         self.max_rows = WeightOnlyLinear.small_batch if self.quantized else 3    # rows up to which the one-call layer wins (measured below)
         self.rebind(model)
@@ -137,10 +138,9 @@ class FusedDecode:
     def __call__(self, x, cos_sin, md, kv_caches):
         ops, (cos, sin), residual = torch.ops.llm_engine, (t.contiguous() for t in cos_sin), self.none
         if x.shape[0] <= self.max_rows:
-            for (ln1, ln2, *w), (kc, vc) in zip(self.small, kv_caches):
-                x, residual = ops.decode_layer(x, residual, ln1, ln2, self.eps, *w, cos, sin, self.nh, self.nkv, kc, vc,
-                                               md.slot_mapping, md.decode_block_tables, md.decode_context_lens, self.scale)
-            return x, residual
+            ln1, ln2, *w = self.columns
+            return ops.decode_layers(x, residual, ln1, ln2, self.eps, *w, cos, sin, self.nh, self.nkv, [k for k, _ in kv_caches],
+                                     [v for _, v in kv_caches], md.slot_mapping, md.decode_block_tables, md.decode_context_lens, self.scale)
         M = x.shape[0]
         for (ln1, ln2, qkv, o, gate_up, down), (kc, vc) in zip(self.layers, kv_caches):
             h, residual = ops.add_rms_norm(x, residual, ln1, self.eps)

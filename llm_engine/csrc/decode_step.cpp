@@ -5,7 +5,8 @@
 // - add_rms_norm, rope_store, silu_mul: the small operations between a layer's matmuls, one call each instead of
 //   five to ten PyTorch calls, for fp32 or bf16 activations (arithmetic in fp32, results rounded to the activations' dtype).
 // - q4_linear: the same for 4-bit weights in GGUF's Q4_1 blocks (a scale and a minimum per 32 weights).
-// - decode_layer: a whole decoder layer in one call for a few rows, weights Q4, int8 (with scales), bf16 or fp32.
+// - decode_layer: a whole decoder layer in one call for a few rows, weights Q4, int8 (with scales), bf16 or fp32;
+//   decode_layers: all of them, in one call per step.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -319,6 +320,24 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   return {y.to(T), res.to(T)};
 }
 
+// every layer of a decode step in one call: the layers' tensors come as lists, one entry per layer (30 calls from
+// Python cost some 10 us each in argument handling alone)
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& x, const at::Tensor& residual, at::TensorList ln1, at::TensorList ln2, double eps,
+    at::TensorList wqkv, at::TensorList sqkv, at::TensorList wo, at::TensorList so,
+    at::TensorList wgu, at::TensorList sgu, at::TensorList wd, at::TensorList sd, const at::Tensor& cos, const at::Tensor& sin,
+    int64_t nh, int64_t nkv, at::TensorList k_caches, at::TensorList v_caches,
+    const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  const size_t L = ln1.size();
+  for (auto n : {ln2.size(), wqkv.size(), sqkv.size(), wo.size(), so.size(), wgu.size(), sgu.size(), wd.size(), sd.size(), k_caches.size(), v_caches.size()})
+    TORCH_CHECK(n == L, "decode_layers: one entry per layer in every list");
+  at::Tensor h = x, r = residual;
+  for (size_t i = 0; i < L; ++i)
+    std::tie(h, r) = decode_layer(h, r, ln1[i], ln2[i], eps, wqkv[i], sqkv[i], wo[i], so[i], wgu[i], sgu[i], wd[i], sd[i], cos, sin,
+                                  nh, nkv, k_caches[i], v_caches[i], slots, block_tables, context_lens, scale);
+  return {h, r};
+}
+
 // ---- the small operations between the matmuls, for fp32 or bf16 activations
 
 // (normed, new residual): residual + x (rounded to T, as PyTorch's add would be), then RMS-normalised by w
@@ -384,11 +403,15 @@ TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
   m.def("decode_layer(Tensor x, Tensor residual, Tensor ln1, Tensor ln2, float eps, Tensor wqkv, Tensor sqkv, "
         "Tensor wo, Tensor so, Tensor wgu, Tensor sgu, Tensor wd, Tensor sd, Tensor cos, Tensor sin, int nh, int nkv, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, Tensor context_lens, float scale) -> (Tensor, Tensor)");
+  m.def("decode_layers(Tensor x, Tensor residual, Tensor[] ln1, Tensor[] ln2, float eps, Tensor[] wqkv, Tensor[] sqkv, "
+        "Tensor[] wo, Tensor[] so, Tensor[] wgu, Tensor[] sgu, Tensor[] wd, Tensor[] sd, Tensor cos, Tensor sin, int nh, int nkv, "
+        "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor block_tables, Tensor context_lens, float scale) -> (Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(llm_engine, CPU, m) {
   m.impl("int8_linear", int8_linear);
   m.impl("q4_linear", q4_linear);
   m.impl("decode_layer", decode_layer);
+  m.impl("decode_layers", decode_layers);
   m.impl("add_rms_norm", add_rms_norm_op);
   m.impl("rope_store", rope_store);
   m.impl("silu_mul", silu_mul);
