@@ -41,11 +41,13 @@ class WeightOnlyLinear(nn.Module):
         lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features)
         cpu = x.device.type == "cpu"
         y = self.few_rows(x2) if cpu and x2.shape[0] <= self.small_batch else None
-        if y is None and cpu and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            if self.packed is None:     # large batches are compute-bound: oneDNN's bf16 matmul on the dequantized weight, packed once
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.dequantized().bfloat16(), 32)
-            y = torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16), self.packed, None, "none", [], "")
-        elif y is None: y = F.linear(x2.to(torch.bfloat16), self.dequantized().to(x2.device, torch.bfloat16))
+        if y is None:       # large batches are compute-bound: a bf16 matmul on the dequantized weight, made once
+            onednn = cpu and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            if self.packed is None:     # packed for oneDNN where it has bf16, else kept plain for F.linear
+                w = self.dequantized().to(x2.device, torch.bfloat16)
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 32) if onednn else w
+            y = (torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16), self.packed, None, "none", [], "") if onednn
+                 else F.linear(x2.to(torch.bfloat16), self.packed))
         if self.bias is not None: y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features).to(x.dtype)
 
@@ -120,9 +122,9 @@ class FusedDecode:
         # prepack_linears later gives the modules oneDNN's packed layout, which only oneDNN can read)
         # (Q4 blocks carry their scales inside: no separate tensor)
         plain = lambda q: (q.weight, f32(q.scales)) if isinstance(q, Int8Linear) else (q.weight.detach().contiguous(), self.none)
-        self.small = [(f32(l.input_layernorm.weight), f32(l.post_attention_layernorm.weight), *[t for q in self._lins(l) for t in plain(q)])
-                      for l in model.layers]
-        self.columns = [list(c) for c in zip(*self.small)]    # the same, one list per argument: all layers in one call
+        # one list per argument of decode_layers, one entry per layer: all layers in one call
+        self.columns = [list(c) for c in zip(*[(f32(l.input_layernorm.weight), f32(l.post_attention_layernorm.weight),
+                                                *[t for q in self._lins(l) for t in plain(q)]) for l in model.layers])]
         self.quantized = isinstance(model.layers[0].self_attn.qkv_proj, WeightOnlyLinear)
         self.max_rows = WeightOnlyLinear.small_batch if self.quantized else 3    # rows up to which the one-call layer wins (measured below)
         self.rebind(model)
@@ -131,7 +133,7 @@ class FusedDecode:
     def rebind(self, model):
         "Take the layers' current linear modules for the nine-call path (after `prepack_linears` replaced them)."
         # module.forward, not module(): no hook machinery per call
-        self.layers = [(s[0], s[1], *[q.forward for q in self._lins(l)]) for s, l in zip(self.small, model.layers)]
+        self.layers = [(ln1, ln2, *[q.forward for q in self._lins(l)]) for ln1, ln2, l in zip(*self.columns[:2], model.layers)]
     def applies(self, md, x) -> bool:
         return (self.attention and md.num_prefill_tokens == 0 and md.decode_backend == "cpp" and md.attention is None
                 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16))

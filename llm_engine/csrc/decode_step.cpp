@@ -5,8 +5,8 @@
 // - add_rms_norm, rope_store, silu_mul: the small operations between a layer's matmuls, one call each instead of
 //   five to ten PyTorch calls, for fp32 or bf16 activations (arithmetic in fp32, results rounded to the activations' dtype).
 // - q4_linear: the same for 4-bit weights in GGUF's Q4_1 blocks (a scale and a minimum per 32 weights).
-// - decode_layer: a whole decoder layer in one call for a few rows, weights Q4, int8 (with scales), bf16 or fp32;
-//   decode_layers: all of them, in one call per step.
+// - decode_layers: every decoder layer of a decode step for a few rows in one call (decode_layer: one of them), weights
+//   Q4, int8 (with scales), bf16 or fp32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -275,7 +275,7 @@ static void store_qkv(const float* qkvp, T* qp, T* kc, T* vc, const int64_t* slp
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> decode_layer(
+static std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& x_, const at::Tensor& residual, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
     const at::Tensor& wqkv, const at::Tensor& sqkv, const at::Tensor& wo, const at::Tensor& so,
     const at::Tensor& wgu, const at::Tensor& sgu, const at::Tensor& wd, const at::Tensor& sd,
@@ -400,9 +400,6 @@ TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, int nh, int nkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
-  m.def("decode_layer(Tensor x, Tensor residual, Tensor ln1, Tensor ln2, float eps, Tensor wqkv, Tensor sqkv, "
-        "Tensor wo, Tensor so, Tensor wgu, Tensor sgu, Tensor wd, Tensor sd, Tensor cos, Tensor sin, int nh, int nkv, "
-        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, Tensor context_lens, float scale) -> (Tensor, Tensor)");
   m.def("decode_layers(Tensor x, Tensor residual, Tensor[] ln1, Tensor[] ln2, float eps, Tensor[] wqkv, Tensor[] sqkv, "
         "Tensor[] wo, Tensor[] so, Tensor[] wgu, Tensor[] sgu, Tensor[] wd, Tensor[] sd, Tensor cos, Tensor sin, int nh, int nkv, "
         "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor block_tables, Tensor context_lens, float scale) -> (Tensor, Tensor)");
@@ -410,7 +407,6 @@ TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
 TORCH_LIBRARY_IMPL(llm_engine, CPU, m) {
   m.impl("int8_linear", int8_linear);
   m.impl("q4_linear", q4_linear);
-  m.impl("decode_layer", decode_layer);
   m.impl("decode_layers", decode_layers);
   m.impl("add_rms_norm", add_rms_norm_op);
   m.impl("rope_store", rope_store);
