@@ -145,14 +145,14 @@ class SpeculativeConfig:
     def enabled(self): return self.num_speculative_tokens > 0
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8", "q4")
+QUANTIZATIONS = ("int8", "q4", "w8a8")
 
 @dataclass
 class EngineConfig:
     "Everything an `LLMEngine` needs. `model=None` means the embedded default model."
     model: str|None = None
     dtype: str = "auto"                # "auto" (resolve_dtype: bfloat16 on CUDA and bf16-capable CPUs, else float32), "float32", "bfloat16", "float16"
-    quantization: str|None = None      # None, "int8" (one scale per output channel) or "q4" (GGUF Q4_1 blocks): notebook 05b
+    quantization: str|None = None      # None, "int8" (one scale per output channel), "q4" (GGUF Q4_1 blocks) or "w8a8" (int8 activations too, for large batches): notebook 05b
     seed: int = 0
     num_threads: int|None = None
     attention_backend: str = "auto"    # decode attention: "cpp" (in-place C++ kernel), "torch" (gather + SDPA), or "auto"
@@ -216,11 +216,12 @@ def read_cpu_flags(cpuinfo="/proc/cpuinfo") -> frozenset:
     return frozenset(next((l for l in text.splitlines() if l.startswith("flags")), "").partition(":")[2].split())
 
 def resolve_dtype(dtype: str = "auto", device: str = "cpu", cpu_flags=None, quantization=None) -> str:
-    "The dtype to run in: `auto` is bfloat16 on CUDA and on CPUs with bf16 instructions, float32 elsewhere (and for int8 weights on a CPU)."
+    "The dtype to run in: `auto` is bfloat16 on CUDA and on CPUs with bf16 instructions, float32 elsewhere (and for weight-only int8 or q4 on a CPU)."
     if dtype not in DTYPES: raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     if dtype != "auto": return dtype
     kind = str(device).split(":")[0]
     if kind == "cuda": return "bfloat16"
-    if kind != "cpu" or quantization: return "float32"
+    # weight-only int8 and q4 keep fp32 activations; w8a8 rounds them to 8 bits in its matmuls, so bf16 between costs nothing
+    if kind != "cpu" or quantization not in (None, "w8a8"): return "float32"
     flags = read_cpu_flags() if cpu_flags is None else frozenset(cpu_flags)
     return "bfloat16" if flags & set(BF16_CPU_FLAGS) else "float32"

@@ -267,7 +267,7 @@ def load_model(model=None, dtype=torch.float32, device="cpu", quantization=None)
     m = load_weights(m, path)
     if quantization is not None:     # from the fp32 weights, before the cast (notebook 05b)
         from llm_engine.precision import quantize_linears
-        quantize_linears(m, quantization)
+        quantize_linears(m, quantization, path)
     m = m.to(dtype).eval()
     from llm_engine.precision import fuse_decode     # notebook 05b: bf16 or int8 decode steps with few Python calls
     fuse_decode(m)

@@ -15,9 +15,10 @@ from .attention import AttentionMetadata, build_cpu_kernel, load_decode_kernel
 from .rope import RotaryEmbedding
 
 # %% auto 0
-__all__ = ['STEP_KERNELS_SRC', 'Q4_GROUP', 'Q4_BYTES', 'QUANTIZERS', 'load_step_kernels', 'WeightOnlyLinear', 'Int8Linear',
-           'quantize_q4', 'dequantize_q4', 'Q4Linear', 'quantize_linears', 'FusedDecode', 'fuse_decode',
-           'forward_logits', 'Agreement', 'compare_logits', 'best_of', 'weight_bytes_per_token']
+__all__ = ['STEP_KERNELS_SRC', 'Q4_GROUP', 'Q4_BYTES', 'W8A8_ALPHA', 'CALIBRATION_CHAT', 'QUANTIZERS', 'load_step_kernels',
+           'WeightOnlyLinear', 'Int8Linear', 'quantize_q4', 'dequantize_q4', 'Q4Linear', 'forward_logits',
+           'calibration_ids', 'activation_ranges', 'W8A8Linear', 'quantize_linears', 'FusedDecode', 'fuse_decode',
+           'Agreement', 'compare_logits', 'best_of', 'weight_bytes_per_token']
 
 # %% ../nbs/05b_precision.ipynb
 STEP_KERNELS_SRC = (Path(llm_engine.__file__).parent / "csrc" / "decode_step.cpp").read_text()
@@ -39,17 +40,18 @@ class WeightOnlyLinear(nn.Module):
     def dequantized(self) -> torch.Tensor: "The fp32 weight `[out, in]` the stored one stands for."
     def forward(self, x):
         lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features)
-        cpu = x.device.type == "cpu"
-        y = self.few_rows(x2) if cpu and x2.shape[0] <= self.small_batch else None
-        if y is None:       # large batches are compute-bound: a bf16 matmul on the dequantized weight, made once
-            onednn = cpu and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-            if self.packed is None:     # packed for oneDNN where it has bf16, else kept plain for F.linear
-                w = self.dequantized().to(x2.device, torch.bfloat16)
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 32) if onednn else w
-            y = (torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16), self.packed, None, "none", [], "") if onednn
-                 else F.linear(x2.to(torch.bfloat16), self.packed))
+        y = self.few_rows(x2) if x.device.type == "cpu" and x2.shape[0] <= self.small_batch else None
+        if y is None: y = self.large_batch(x2)
         if self.bias is not None: y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features).to(x.dtype)
+    def large_batch(self, x2):
+        "Large batches are compute-bound: a bf16 matmul on the dequantized weight, made once."
+        onednn = x2.device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        if self.packed is None:     # packed for oneDNN where it has bf16, else kept plain for F.linear
+            w = self.dequantized().to(x2.device, torch.bfloat16)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 32) if onednn else w
+        return (torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16), self.packed, None, "none", [], "") if onednn
+                else F.linear(x2.to(torch.bfloat16), self.packed))
 
 class Int8Linear(WeightOnlyLinear):
     "int8 weights with one scale per output channel (symmetric, from the fp32 weights)."
@@ -97,17 +99,89 @@ class Q4Linear(WeightOnlyLinear):
     def few_rows(self, x2): return torch.ops.llm_engine.q4_linear(x2, self.weight) if self.kernel else None
     def dequantized(self): return dequantize_q4(self.weight)
 
-def _q4_or_int8(lin, name):
+# %% ../nbs/05b_precision.ipynb
+def forward_logits(model, ids: list[int], block_size: int = 16) -> torch.Tensor:
+    "fp32 logits `[len(ids), vocab]` of every position of `ids`, prefilled into a fresh paged cache in the model's dtype."
+    mc, nb = model.config, -(-len(ids) // block_size)
+    dev, dt = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    kv = torch.zeros(mc.num_layers, 2, nb, block_size, mc.num_kv_heads, mc.head_dim, dtype=dt, device=dev)
+    md = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(nb))], block_size, device=dev)
+    with torch.inference_mode():
+        h = model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), md,
+                  [(kv[i, 0], kv[i, 1]) for i in range(mc.num_layers)])
+        return model.compute_logits(h).float().cpu()
+
+W8A8_ALPHA = 0.5       # SmoothQuant's migration strength: how much of a channel's range moves into the weights
+CALIBRATION_CHAT = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Write a short story about a lighthouse keeper who finds a message in a bottle. Then list "
+                                "three facts about the ocean, and write a Python function that sorts a list."},
+    {"role": "assistant", "content": "Once upon a time, on a rocky island far from the coast, an old keeper named Tom tended "
+     "the light every night. One stormy morning he found a green bottle on the shore; inside was a letter written in careful, "
+     "faded ink. 1. The ocean covers about 71% of the Earth's surface. 2. Its deepest point, the Mariana Trench, is nearly "
+     "11,000 metres deep. 3. Most of it has never been explored.\n\ndef sort_list(xs):\n    return sorted(xs)\n"}]
+
+def calibration_ids(tokenizer) -> list[int]:
+    "Token ids of the built-in calibration chat, in the model's chat format where it has one."
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer(tokenizer.apply_chat_template(CALIBRATION_CHAT, tokenize=False))["input_ids"]
+    return tokenizer(" ".join(m["content"] for m in CALIBRATION_CHAT))["input_ids"]
+
+def activation_ranges(model: nn.Module, ids: list[int]) -> dict[str, torch.Tensor]:
+    "Each `nn.Linear`'s largest |input| per input channel while `model` reads `ids`, by module name."
+    ranges = {}
+    def record(name):
+        def hook(mod, args, out):
+            r = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(0).float()
+            ranges[name] = torch.maximum(ranges[name], r) if name in ranges else r
+        return hook
+    hooks = [m.register_forward_hook(record(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    try: forward_logits(model, ids)
+    finally:
+        for h in hooks: h.remove()
+    return ranges
+
+# %% ../nbs/05b_precision.ipynb
+class W8A8Linear(Int8Linear):
+    "`Int8Linear` for a few rows; for large batches int8 activations too: SmoothQuant scaling, a scale per row, VNNI matmul."
+    def __init__(self, lin: nn.Linear, act_range: torch.Tensor, alpha: float = W8A8_ALPHA):
+        super().__init__(lin)
+        w = lin.weight.detach().float()
+        s = act_range.float().clamp(min=1e-5) ** alpha / w.abs().amax(0).clamp(min=1e-5) ** (1 - alpha)
+        s = s.clamp(min=1e-5).to(torch.bfloat16)     # exact in bf16: a model cast to bf16 keeps the same factors
+        ws = w * s.float()
+        scales = (ws.abs().amax(1).clamp(min=1e-12) / 127).to(torch.bfloat16)
+        q = torch.round(ws / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("smooth", s)
+        self.register_buffer("smooth_weight", q.t())       # [in, out]: the layout `_int_mm` takes, a view of the rows
+        self.register_buffer("smooth_scales", scales)
+    def large_batch(self, x2):
+        if x2.device.type != "cpu": return super().large_batch(x2)    # our quantizing kernels are CPU code
+        if self.kernel:
+            xq, a = torch.ops.llm_engine.quantize_rows(x2, self.smooth)
+            return torch.ops.llm_engine.dequantize_rows(torch._int_mm(xq, self.smooth_weight), a, self.smooth_scales, x2.dtype)
+        xs = x2.float() / self.smooth.float()          # the same steps in torch, where no compiler is found
+        a = xs.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127
+        xq = torch.round(xs / a).clamp(-127, 127).to(torch.int8)
+        return (torch._int_mm(xq, self.smooth_weight).float() * a * self.smooth_scales.float()).to(x2.dtype)
+
+def _q4_or_int8(lin, name, act):
     return Int8Linear(lin) if name == "lm_head" or lin.in_features % (2 * Q4_GROUP) else Q4Linear(lin)
 
-QUANTIZERS = {"int8": lambda lin, name: Int8Linear(lin), "q4": _q4_or_int8}
+# each takes the layer, its attribute name and its calibrated input range (w8a8 only)
+QUANTIZERS = {"int8": lambda lin, name, act: Int8Linear(lin), "q4": _q4_or_int8, "w8a8": lambda lin, name, act: W8A8Linear(lin, act)}
 
-def quantize_linears(model: nn.Module, method: str = "int8") -> nn.Module:
+def quantize_linears(model: nn.Module, method: str = "int8", model_path=None) -> nn.Module:
     "Replace every `nn.Linear` (the tied lm_head too; the embedding stays exact) by its quantized form."
     if method not in QUANTIZERS: raise ValueError(f"quantization must be one of {', '.join(QUANTIZERS)}, not {method!r}")
-    for mod in list(model.modules()):
+    ranges = {}
+    if method == "w8a8":      # calibrated on the model's own tokenizer, before any layer changes
+        if model_path is None: raise ValueError("w8a8 calibrates on the model's tokenizer: pass model_path")
+        from llm_engine.model import load_tokenizer
+        ranges = activation_ranges(model, calibration_ids(load_tokenizer(model_path)))
+    for prefix, mod in list(model.named_modules()):
         for name, child in list(mod.named_children()):
-            if type(child) is nn.Linear: setattr(mod, name, QUANTIZERS[method](child, name))
+            if type(child) is nn.Linear: setattr(mod, name, QUANTIZERS[method](child, name, ranges.get(f"{prefix}.{name}".lstrip("."))))
     return model
 
 # %% ../nbs/05b_precision.ipynb
@@ -157,24 +231,13 @@ def fuse_decode(model) -> bool:
     "Install `FusedDecode` as `model.decode_step` for a CPU model with bf16 activations or quantized weights; True if installed."
     w, lins = model.embed_tokens.weight, [q for l in model.layers for q in FusedDecode._lins(l)]
     quantized = all(isinstance(q, WeightOnlyLinear) for q in lins)     # their kernel and bias are the checks below
-    ok = (w.device.type == "cpu" and all(type(q) in (nn.Linear, Int8Linear, Q4Linear) and q.bias is None for q in lins)
+    ok = (w.device.type == "cpu" and all(type(q) in (nn.Linear, Int8Linear, Q4Linear, W8A8Linear) and q.bias is None for q in lins)
           and (w.dtype == torch.bfloat16 or (w.dtype == torch.float32 and quantized))
           and load_step_kernels() is None)    # fp32 without int8 (the exact path the parity tests hold) keeps the layer loop
     model.decode_step = FusedDecode(model) if ok else None
     return ok
 
 # %% ../nbs/05b_precision.ipynb
-def forward_logits(model, ids: list[int], block_size: int = 16) -> torch.Tensor:
-    "fp32 logits `[len(ids), vocab]` of every position of `ids`, prefilled into a fresh paged cache in the model's dtype."
-    mc, nb = model.config, -(-len(ids) // block_size)
-    dev, dt = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
-    kv = torch.zeros(mc.num_layers, 2, nb, block_size, mc.num_kv_heads, mc.head_dim, dtype=dt, device=dev)
-    md = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(nb))], block_size, device=dev)
-    with torch.inference_mode():
-        h = model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), md,
-                  [(kv[i, 0], kv[i, 1]) for i in range(mc.num_layers)])
-        return model.compute_logits(h).float().cpu()
-
 @dataclass
 class Agreement:
     "How closely one model's logits follow a reference's on the same tokens."

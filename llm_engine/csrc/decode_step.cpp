@@ -391,6 +391,68 @@ at::Tensor silu_mul(const at::Tensor& gu_) {
   return out;
 }
 
+// ---- int8 activations for large batches (w8a8, notebook 05b) ----
+// Row m of x, divided by the smoothing factors s, becomes int8 q with one scale a[m] = max|x/s| / 127. A row with
+// a non-finite value gets a NaN scale and zeros, so the NaN reaches the output as it would in fp32 (the sum
+// carries it: -ffast-math may drop a NaN from the max).
+template <typename T, typename S>
+static void quantize_row(const T* x, const S* s, int64_t K, int8_t* q, float* a) {
+  float amax = 0.f, sum = 0.f;
+  for (int64_t k = 0; k < K; ++k) {
+    const float v = std::fabs(static_cast<float>(x[k]) / static_cast<float>(s[k])); amax = std::max(amax, v); sum += v;
+  }
+  uint32_t bits; std::memcpy(&bits, &sum, 4);
+  if ((bits & 0x7f800000u) == 0x7f800000u) { std::memset(q, 0, K); const uint32_t nan = 0x7fc00000u; std::memcpy(a, &nan, 4); return; }
+  const float scale = std::max(amax, 1e-30f) / 127.f;
+  for (int64_t k = 0; k < K; ++k) {
+    const float v = static_cast<float>(x[k]) / static_cast<float>(s[k]) / scale;
+    q[k] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(v))));
+  }
+  *a = scale;
+}
+
+// the smoothing factors and scales come as the model holds them: fp32, or bf16 in a model cast to bf16
+#define DISPATCH_SCALES(t, ...) \
+  if ((t).scalar_type() == at::kFloat) { using S = float; __VA_ARGS__(); } \
+  else { TORCH_CHECK((t).scalar_type() == at::kBFloat16, "scales: fp32 or bf16"); using S = at::BFloat16; __VA_ARGS__(); }
+
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_, const at::Tensor& s_) {
+  const at::Tensor x = x_.contiguous(), s = s_.contiguous();
+  TORCH_CHECK(x.dim() == 2 && s.numel() == x.size(1), "quantize_rows: x [M, K] and one smoothing factor per column");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar)), a = at::empty({M, 1}, x.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quantize_rows", [&] {
+    DISPATCH_SCALES(s, [&] {
+      const scalar_t* xp = x.data_ptr<scalar_t>(); const S* sp = s.data_ptr<S>();
+      int8_t* qp = q.data_ptr<int8_t>(); float* ap = a.data_ptr<float>();
+      at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { for (int64_t m = m0; m < m1; ++m) quantize_row(xp + m * K, sp, K, qp + m * K, ap + m); });
+    });
+  });
+  return {q, a};
+}
+
+// y [M, N] = acc (the int32 products of quantized rows and weights) times the rows' scales a [M] and the weights' [N]
+at::Tensor dequantize_rows(const at::Tensor& acc_, const at::Tensor& a_, const at::Tensor& w_, at::ScalarType dtype) {
+  const at::Tensor acc = acc_.contiguous(), a = a_.contiguous(), w = w_.contiguous();
+  TORCH_CHECK(acc.scalar_type() == at::kInt && acc.dim() == 2 && a.scalar_type() == at::kFloat && a.numel() == acc.size(0) &&
+              w.numel() == acc.size(1), "dequantize_rows: int32 acc [M, N], fp32 a [M], w [N]");
+  const int64_t M = acc.size(0), N = acc.size(1);
+  at::Tensor y = at::empty({M, N}, acc.options().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "dequantize_rows", [&] {
+    DISPATCH_SCALES(w, [&] {
+      const int32_t* cp = acc.data_ptr<int32_t>(); const float* ap = a.data_ptr<float>(); const S* wp = w.data_ptr<S>();
+      scalar_t* yp = y.data_ptr<scalar_t>();
+      at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m) {
+          const float am = ap[m]; const int32_t* c = cp + m * N; scalar_t* o = yp + m * N;
+          for (int64_t n = 0; n < N; ++n) o[n] = static_cast<scalar_t>(static_cast<float>(c[n]) * am * static_cast<float>(wp[n]));
+        }
+      });
+    });
+  });
+  return y;
+}
+
 bool int8_linear_vectorized() { return has_vector_path(); }
 
 TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
@@ -400,6 +462,8 @@ TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, int nh, int nkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("quantize_rows(Tensor x, Tensor smooth) -> (Tensor, Tensor)");
+  m.def("dequantize_rows(Tensor acc, Tensor row_scales, Tensor col_scales, ScalarType dtype) -> Tensor");
   m.def("decode_layers(Tensor x, Tensor residual, Tensor[] ln1, Tensor[] ln2, float eps, Tensor[] wqkv, Tensor[] sqkv, "
         "Tensor[] wo, Tensor[] so, Tensor[] wgu, Tensor[] sgu, Tensor[] wd, Tensor[] sd, Tensor cos, Tensor sin, int nh, int nkv, "
         "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor block_tables, Tensor context_lens, float scale) -> (Tensor, Tensor)");
@@ -411,4 +475,6 @@ TORCH_LIBRARY_IMPL(llm_engine, CPU, m) {
   m.impl("add_rms_norm", add_rms_norm_op);
   m.impl("rope_store", rope_store);
   m.impl("silu_mul", silu_mul);
+  m.impl("quantize_rows", quantize_rows);
+  m.impl("dequantize_rows", dequantize_rows);
 }

@@ -6,6 +6,60 @@
 #include <algorithm>
 #include <cmath>
 #include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+// The vector path (head_dim 64 or 128, NC = head_dim / 16 registers a row): the heads that share a KV head (GQA)
+// are done together, so each key and value row is loaded and widened to fp32 once for all of them, not once per head.
+static inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 ld16(const at::BFloat16* p) {     // bf16 is the top half of an fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// s[h * L + t] = sc * q_h . k_t for NH heads (q rows D apart) and the n key rows at kk (kt apart)
+template <typename T, int NC, int NH>
+static void scores_group(const float* q, int64_t D, const T* kk, int64_t kt, int64_t n, float* s, int64_t L, float sc) {
+  __m512 qv[NH][NC];
+  for (int h = 0; h < NH; ++h) for (int c = 0; c < NC; ++c) qv[h][c] = _mm512_loadu_ps(q + h * D + c * 16);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 kv[NC];
+    for (int c = 0; c < NC; ++c) kv[c] = ld16(kk + t * kt + c * 16);
+    for (int h = 0; h < NH; ++h) {
+      __m512 a = _mm512_mul_ps(qv[h][0], kv[0]);
+      for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[h][c], kv[c], a);
+      s[h * L + t] = _mm512_reduce_add_ps(a) * sc;
+    }
+  }
+}
+
+// o_h += sum_t p[h * L + t] * v_t for NH heads (outputs D apart) and the n value rows at vv (vt apart)
+template <typename T, int NC, int NH>
+static void values_group(const float* p, int64_t L, const T* vv, int64_t vt, int64_t n, float* o, int64_t D) {
+  __m512 acc[NH][NC];
+  for (int h = 0; h < NH; ++h) for (int c = 0; c < NC; ++c) acc[h][c] = _mm512_loadu_ps(o + h * D + c * 16);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = ld16(vv + t * vt + c * 16);
+    for (int h = 0; h < NH; ++h) {
+      const __m512 w = _mm512_set1_ps(p[h * L + t]);
+      for (int c = 0; c < NC; ++c) acc[h][c] = _mm512_fmadd_ps(w, v[c], acc[h][c]);
+    }
+  }
+  for (int h = 0; h < NH; ++h) for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + h * D + c * 16, acc[h][c]);
+}
+
+// heads h0..h1-1 of a sequence in runs that share a KV head, at most 16 / NC at a time (the registers they need)
+template <typename T, int NC, typename F>
+static void head_runs(int64_t h0, int64_t h1, int64_t G, F&& fn) {
+  constexpr int64_t most = 16 / NC;
+  for (int64_t h = h0; h < h1;) {
+    const int64_t e = std::min({h1, (h / G + 1) * G, h + most});
+    fn(h, e - h); h = e;
+  }
+}
+#define NH_SWITCH(nh, F, ...) switch (nh) { case 1: F<T, NC, 1>(__VA_ARGS__); break; case 2: F<T, NC, 2>(__VA_ARGS__); break; \
+  case 3: if constexpr (NC <= 5) F<T, NC, 3>(__VA_ARGS__); break; case 4: if constexpr (NC <= 4) F<T, NC, 4>(__VA_ARGS__); break; }
+#endif
 
 // one sequence's heads h0..h1-1: scores, softmax, weighted values. T: the cache's element type (float or BFloat16;
 // bf16 is widened to fp32 in registers, so the arithmetic is fp32 either way). DC: head_dim known at compile time (0: use D)
@@ -29,6 +83,15 @@ static void decode_one(T* ob_t, const T* qb_t, const T* kp, const T* vp, const i
     prefetch(kp, kb, i + 2);
     const T* blk = kp + table[i] * kb;
     const int64_t l0 = i * bs, n = std::min(bs, L - l0);
+#ifdef __AVX512F__
+    if constexpr (DC == 64 || DC == 128) {
+      constexpr int NC = DC / 16;
+      head_runs<T, NC>(h0, h1, G, [&](int64_t h, int64_t nh) {
+        NH_SWITCH(nh, scores_group, qb + h * D, D, blk + (h / G) * kh, kt, n, s.data() + h * L + l0, L, sc)
+      });
+      continue;
+    }
+#endif
     for (int64_t h = h0; h < h1; ++h) {
       const float* qh = qb + h * D; const T* kk = blk + (h / G) * kh;
       int64_t t = 0;
@@ -66,6 +129,15 @@ static void decode_one(T* ob_t, const T* qb_t, const T* kp, const T* vp, const i
     prefetch(vp, vb, i + 2);
     const T* blk = vp + table[i] * vb;
     const int64_t l0 = i * bs, n = std::min(bs, L - l0);
+#ifdef __AVX512F__
+    if constexpr (DC == 64 || DC == 128) {
+      constexpr int NC = DC / 16;
+      head_runs<T, NC>(h0, h1, G, [&](int64_t h, int64_t nh) {
+        NH_SWITCH(nh, values_group, s.data() + h * L + l0, L, blk + (h / G) * vh, vt, n, ob + h * D, D)
+      });
+      continue;
+    }
+#endif
     for (int64_t h = h0; h < h1; ++h) {
       float acc[DC ? DC : 1024];                  // this head's output row, kept in registers when DC is known
       float* o = ob + h * D; const T* vv = blk + (h / G) * vh; const float* p = s.data() + h * L + l0;
