@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 import torch
 from fastcore.basics import patch
+from .precision import load_step_kernels
 
 # %% auto 0
 __all__ = ['BadParam', 'SamplingParams', 'SampleOutput', 'apply_penalties', 'filter_logits', 'apply_processors', 'sample']
@@ -184,7 +185,10 @@ def sample(logits: torch.Tensor, rows, end_ids=()) -> list[SampleOutput]:
         if (broken | masked).any(): logits = logits.masked_fill((broken | masked)[:, None], 0.0)
         broken, masked = broken.tolist(), masked.tolist()
         bad = [b or m for b, m in zip(broken, masked)]
-    tokens = logits.argmax(-1).tolist()
+    # torch's argmax reduces on one thread (1.3 ms at [32, 49152]); our kernel (05b) splits the rows, 0.2 ms. NaN rows
+    # were zeroed above, so what it sees has no NaN, where the two could differ
+    fast = logits.device.type == "cpu" and logits.shape[-1] > 0 and load_step_kernels() is None
+    tokens = (torch.ops.llm_engine.argmax_rows(logits) if fast else logits.argmax(-1)).tolist()
     hot = [i for i, r in enumerate(rows) if not r.params.greedy and not bad[i]]
     if hot:
         for i, t in zip(hot, _draw(logits, rows, hot)): tokens[i] = t

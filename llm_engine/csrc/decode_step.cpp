@@ -369,12 +369,14 @@ at::Tensor rope_store(const at::Tensor& qkv_, const at::Tensor& cos_, const at::
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_store", [&] {
     const scalar_t* src = qkv.data_ptr<scalar_t>(); scalar_t *qp = q.data_ptr<scalar_t>(), *kc = k_cache.data_ptr<scalar_t>(), *vc = v_cache.data_ptr<scalar_t>();
     const int64_t* slp = sl.data_ptr<int64_t>();
-    for (int64_t m = 0; m < M; ++m) {
-      const scalar_t* row = src + m * (Q + 2 * KV); const float *cm = c.data_ptr<float>() + m * h2, *sm = s.data_ptr<float>() + m * h2;
-      for (int64_t h = 0; h < nh + nkv; ++h)        // q's heads, then k's: adjacent in the row
-        rope_head(row + h * D, h < nh ? qp + m * Q + h * D : kc + slp[m] * KV + (h - nh) * D, h2, cm, sm);
-      std::copy(row + Q + KV, row + Q + 2 * KV, vc + slp[m] * KV);
-    }
+    at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {     // rows write distinct slots
+      for (int64_t m = m0; m < m1; ++m) {
+        const scalar_t* row = src + m * (Q + 2 * KV); const float *cm = c.data_ptr<float>() + m * h2, *sm = s.data_ptr<float>() + m * h2;
+        for (int64_t h = 0; h < nh + nkv; ++h)        // q's heads, then k's: adjacent in the row
+          rope_head(row + h * D, h < nh ? qp + m * Q + h * D : kc + slp[m] * KV + (h - nh) * D, h2, cm, sm);
+        std::copy(row + Q + KV, row + Q + 2 * KV, vc + slp[m] * KV);
+      }
+    });
   });
   return q;
 }
@@ -386,7 +388,7 @@ at::Tensor silu_mul(const at::Tensor& gu_) {
   at::Tensor out = at::empty({M, I}, gu.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gu.scalar_type(), "silu_mul", [&] {
     const scalar_t* g = gu.data_ptr<scalar_t>(); scalar_t* o = out.data_ptr<scalar_t>();
-    for (int64_t m = 0; m < M; ++m) silu_mul_row(g + m * 2 * I, o + m * I, I);
+    at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) { for (int64_t m = m0; m < m1; ++m) silu_mul_row(g + m * 2 * I, o + m * I, I); });
   });
   return out;
 }
@@ -453,6 +455,25 @@ at::Tensor dequantize_rows(const at::Tensor& acc_, const at::Tensor& a_, const a
   return y;
 }
 
+// the index of each row's largest value, the first where it repeats (torch.argmax's answer for finite rows; the
+// sampler calls it only when every logit is finite); torch's own reduction runs on one thread, 1.3 ms at [32, 49152]
+at::Tensor argmax_rows(const at::Tensor& x_) {
+  const at::Tensor x = x_.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0, "argmax_rows: fp32 [M, N], N > 0");
+  const int64_t M = x.size(0), N = x.size(1);
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>(); int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* r = xp + m * N; float best = r[0];
+      for (int64_t n = 1; n < N; ++n) best = std::max(best, r[n]);      // vectorizes; the index is found after
+      int64_t i = 0; while (r[i] != best) ++i;
+      op[m] = i;
+    }
+  });
+  return out;
+}
+
 bool int8_linear_vectorized() { return has_vector_path(); }
 
 TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
@@ -462,6 +483,7 @@ TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, int nh, int nkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("quantize_rows(Tensor x, Tensor smooth) -> (Tensor, Tensor)");
   m.def("dequantize_rows(Tensor acc, Tensor row_scales, Tensor col_scales, ScalarType dtype) -> Tensor");
   m.def("decode_layers(Tensor x, Tensor residual, Tensor[] ln1, Tensor[] ln2, float eps, Tensor[] wqkv, Tensor[] sqkv, "
@@ -475,6 +497,7 @@ TORCH_LIBRARY_IMPL(llm_engine, CPU, m) {
   m.impl("add_rms_norm", add_rms_norm_op);
   m.impl("rope_store", rope_store);
   m.impl("silu_mul", silu_mul);
+  m.impl("argmax_rows", argmax_rows);
   m.impl("quantize_rows", quantize_rows);
   m.impl("dequantize_rows", dequantize_rows);
 }
