@@ -397,18 +397,18 @@ at::Tensor silu_mul(const at::Tensor& gu_) {
 // Row m of x, divided by the smoothing factors s, becomes int8 q with one scale a[m] = max|x/s| / 127. A row with
 // a non-finite value gets a NaN scale and zeros, so the NaN reaches the output as it would in fp32 (the sum
 // carries it: -ffast-math may drop a NaN from the max).
-template <typename T, typename S>
-static void quantize_row(const T* x, const S* s, int64_t K, int8_t* q, float* a) {
+template <typename T, typename S, typename Q>
+static void quantize_row(const T* x, const S* s, int64_t K, Q* q, float* a, int zero) {
   float amax = 0.f, sum = 0.f;
   for (int64_t k = 0; k < K; ++k) {
     const float v = std::fabs(static_cast<float>(x[k]) / static_cast<float>(s[k])); amax = std::max(amax, v); sum += v;
   }
   uint32_t bits; std::memcpy(&bits, &sum, 4);
-  if ((bits & 0x7f800000u) == 0x7f800000u) { std::memset(q, 0, K); const uint32_t nan = 0x7fc00000u; std::memcpy(a, &nan, 4); return; }
+  if ((bits & 0x7f800000u) == 0x7f800000u) { std::fill(q, q + K, static_cast<Q>(zero)); const uint32_t nan = 0x7fc00000u; std::memcpy(a, &nan, 4); return; }
   const float scale = std::max(amax, 1e-30f) / 127.f;
   for (int64_t k = 0; k < K; ++k) {
     const float v = static_cast<float>(x[k]) / static_cast<float>(s[k]) / scale;
-    q[k] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(v))));
+    q[k] = static_cast<Q>(static_cast<int>(std::max(-127.f, std::min(127.f, std::nearbyint(v)))) + zero);
   }
   *a = scale;
 }
@@ -418,38 +418,49 @@ static void quantize_row(const T* x, const S* s, int64_t K, int8_t* q, float* a)
   if ((t).scalar_type() == at::kFloat) { using S = float; __VA_ARGS__(); } \
   else { TORCH_CHECK((t).scalar_type() == at::kBFloat16, "scales: fp32 or bf16"); using S = at::BFloat16; __VA_ARGS__(); }
 
-std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_, const at::Tensor& s_) {
+// q: int8, or with `zero_point` 128 uint8 (q + 128), the form oneDNN's u8 x s8 matmul takes
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_, const at::Tensor& s_, int64_t zero_point) {
   const at::Tensor x = x_.contiguous(), s = s_.contiguous();
   TORCH_CHECK(x.dim() == 2 && s.numel() == x.size(1), "quantize_rows: x [M, K] and one smoothing factor per column");
+  TORCH_CHECK(zero_point == 0 || zero_point == 128, "quantize_rows: zero_point 0 (int8) or 128 (uint8)");
   const int64_t M = x.size(0), K = x.size(1);
-  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar)), a = at::empty({M, 1}, x.options().dtype(at::kFloat));
+  at::Tensor q = at::empty({M, K}, x.options().dtype(zero_point ? at::kByte : at::kChar)), a = at::empty({M, 1}, x.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quantize_rows", [&] {
     DISPATCH_SCALES(s, [&] {
-      const scalar_t* xp = x.data_ptr<scalar_t>(); const S* sp = s.data_ptr<S>();
-      int8_t* qp = q.data_ptr<int8_t>(); float* ap = a.data_ptr<float>();
-      at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { for (int64_t m = m0; m < m1; ++m) quantize_row(xp + m * K, sp, K, qp + m * K, ap + m); });
+      const scalar_t* xp = x.data_ptr<scalar_t>(); const S* sp = s.data_ptr<S>(); float* ap = a.data_ptr<float>();
+      at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m) {
+          if (zero_point) quantize_row(xp + m * K, sp, K, q.data_ptr<uint8_t>() + m * K, ap + m, 128);
+          else quantize_row(xp + m * K, sp, K, q.data_ptr<int8_t>() + m * K, ap + m, 0);
+        }
+      });
     });
   });
   return {q, a};
 }
 
-// y [M, N] = acc (the int32 products of quantized rows and weights) times the rows' scales a [M] and the weights' [N]
+// y [M, N] = acc times the rows' scales a [M] and the columns' w [N] (w empty: 1); acc is the int32 product of
+// quantized rows and weights, or an fp32 one that already carries the columns' scales
 at::Tensor dequantize_rows(const at::Tensor& acc_, const at::Tensor& a_, const at::Tensor& w_, at::ScalarType dtype) {
   const at::Tensor acc = acc_.contiguous(), a = a_.contiguous(), w = w_.contiguous();
-  TORCH_CHECK(acc.scalar_type() == at::kInt && acc.dim() == 2 && a.scalar_type() == at::kFloat && a.numel() == acc.size(0) &&
-              w.numel() == acc.size(1), "dequantize_rows: int32 acc [M, N], fp32 a [M], w [N]");
+  TORCH_CHECK((acc.scalar_type() == at::kInt || acc.scalar_type() == at::kFloat) && acc.dim() == 2 && a.scalar_type() == at::kFloat &&
+              a.numel() == acc.size(0) && (w.numel() == acc.size(1) || w.numel() == 0), "dequantize_rows: int32 or fp32 acc [M, N], fp32 a [M], w [N] or empty");
   const int64_t M = acc.size(0), N = acc.size(1);
   at::Tensor y = at::empty({M, N}, acc.options().dtype(dtype));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "dequantize_rows", [&] {
-    DISPATCH_SCALES(w, [&] {
-      const int32_t* cp = acc.data_ptr<int32_t>(); const float* ap = a.data_ptr<float>(); const S* wp = w.data_ptr<S>();
-      scalar_t* yp = y.data_ptr<scalar_t>();
+    const float* ap = a.data_ptr<float>(); scalar_t* yp = y.data_ptr<scalar_t>();
+    auto rows = [&](auto* cp, auto* wp) {
       at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
         for (int64_t m = m0; m < m1; ++m) {
-          const float am = ap[m]; const int32_t* c = cp + m * N; scalar_t* o = yp + m * N;
-          for (int64_t n = 0; n < N; ++n) o[n] = static_cast<scalar_t>(static_cast<float>(c[n]) * am * static_cast<float>(wp[n]));
+          const float am = ap[m]; const auto* c = cp + m * N; scalar_t* o = yp + m * N;
+          if (wp) for (int64_t n = 0; n < N; ++n) o[n] = static_cast<scalar_t>(static_cast<float>(c[n]) * am * static_cast<float>(wp[n]));
+          else for (int64_t n = 0; n < N; ++n) o[n] = static_cast<scalar_t>(static_cast<float>(c[n]) * am);
         }
       });
+    };
+    if (w.numel() == 0) { if (acc.scalar_type() == at::kInt) rows(acc.data_ptr<int32_t>(), (const float*)nullptr); else rows(acc.data_ptr<float>(), (const float*)nullptr); }
+    else DISPATCH_SCALES(w, [&] {
+      if (acc.scalar_type() == at::kInt) rows(acc.data_ptr<int32_t>(), w.data_ptr<S>()); else rows(acc.data_ptr<float>(), w.data_ptr<S>());
     });
   });
   return y;
@@ -484,7 +495,7 @@ TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, int nh, int nkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
-  m.def("quantize_rows(Tensor x, Tensor smooth) -> (Tensor, Tensor)");
+  m.def("quantize_rows(Tensor x, Tensor smooth, int zero_point=0) -> (Tensor, Tensor)");
   m.def("dequantize_rows(Tensor acc, Tensor row_scales, Tensor col_scales, ScalarType dtype) -> Tensor");
   m.def("decode_layers(Tensor x, Tensor residual, Tensor[] ln1, Tensor[] ln2, float eps, Tensor[] wqkv, Tensor[] sqkv, "
         "Tensor[] wo, Tensor[] so, Tensor[] wgu, Tensor[] sgu, Tensor[] wd, Tensor[] sd, Tensor cos, Tensor sin, int nh, int nkv, "
