@@ -16,19 +16,41 @@ static inline __m512 ld16(const at::BFloat16* p) {     // bf16 is the top half o
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// s[h * L + t] = sc * q_h . k_t for NH heads (q rows D apart) and the n key rows at kk (kt apart)
+// four horizontal sums at once: lane j of the result is the sum of a_j's 16 lanes
+static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  auto half = [](__m512 a) { return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))); };
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half(a0), half(a1)), _mm256_hadd_ps(half(a2), half(a3)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// s[h * L + t] = sc * q_h . k_t for NH heads (q rows D apart) and the n key rows at kk (kt apart); four keys at a
+// time where the registers allow, so that their sums across lanes are shared
 template <typename T, int NC, int NH>
 static void scores_group(const float* q, int64_t D, const T* kk, int64_t kt, int64_t n, float* s, int64_t L, float sc) {
   __m512 qv[NH][NC];
   for (int h = 0; h < NH; ++h) for (int c = 0; c < NC; ++c) qv[h][c] = _mm512_loadu_ps(q + h * D + c * 16);
-  for (int64_t t = 0; t < n; ++t) {
+  auto dot = [&](const __m512* kv, int h) {
+    __m512 a = _mm512_mul_ps(qv[h][0], kv[0]);
+    for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[h][c], kv[c], a);
+    return a;
+  };
+  int64_t t = 0;
+  if constexpr (NH * NC + 4 * NH + NC <= 32) {
+    const __m128 scv = _mm_set1_ps(sc);
+    for (; t + 4 <= n; t += 4) {
+      __m512 acc[NH][4];
+      for (int j = 0; j < 4; ++j) {
+        __m512 kv[NC];
+        for (int c = 0; c < NC; ++c) kv[c] = ld16(kk + (t + j) * kt + c * 16);
+        for (int h = 0; h < NH; ++h) acc[h][j] = dot(kv, h);
+      }
+      for (int h = 0; h < NH; ++h) _mm_storeu_ps(s + h * L + t, _mm_mul_ps(reduce4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), scv));
+    }
+  }
+  for (; t < n; ++t) {
     __m512 kv[NC];
     for (int c = 0; c < NC; ++c) kv[c] = ld16(kk + t * kt + c * 16);
-    for (int h = 0; h < NH; ++h) {
-      __m512 a = _mm512_mul_ps(qv[h][0], kv[0]);
-      for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[h][c], kv[c], a);
-      s[h * L + t] = _mm512_reduce_add_ps(a) * sc;
-    }
+    for (int h = 0; h < NH; ++h) s[h * L + t] = _mm512_reduce_add_ps(dot(kv, h)) * sc;
   }
 }
 
