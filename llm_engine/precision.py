@@ -16,7 +16,7 @@ from .rope import RotaryEmbedding
 
 # %% auto 0
 __all__ = ['STEP_KERNELS_SRC', 'Q4_GROUP', 'Q4_BYTES', 'W8A8_ALPHA', 'CALIBRATION_CHAT', 'QUANTIZERS', 'load_step_kernels',
-           'WeightOnlyLinear', 'Int8Linear', 'quantize_q4', 'dequantize_q4', 'Q4Linear', 'forward_logits',
+           'WeightOnlyLinear', 'int8_rows', 'Int8Linear', 'quantize_q4', 'dequantize_q4', 'Q4Linear', 'forward_logits',
            'calibration_ids', 'activation_ranges', 'W8A8Linear', 'quantize_linears', 'FusedDecode', 'fuse_decode',
            'Agreement', 'compare_logits', 'best_of', 'weight_bytes_per_token']
 
@@ -53,14 +53,19 @@ class WeightOnlyLinear(nn.Module):
         return (torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16), self.packed, None, "none", [], "") if onednn
                 else F.linear(x2.to(torch.bfloat16), self.packed))
 
+def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    "`w` [N, K] as int8 with one scale per row, symmetric: `(q, scales)`, q int8 [N, K], scales bf16 [N]."
+    w = w.detach().float()
+    # the scale is rounded to bf16 first, so the int8 values are chosen for the scale the kernel will use
+    scales = (w.abs().amax(1).clamp(min=1e-12) / 127).to(torch.bfloat16)
+    return torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scales
+
 class Int8Linear(WeightOnlyLinear):
     "int8 weights with one scale per output channel (symmetric, from the fp32 weights)."
     def __init__(self, lin: nn.Linear):
         super().__init__(lin)
-        w = lin.weight.detach().float()
-        # the scale is rounded to bf16 first, so the int8 values are chosen for the scale the kernel will use
-        scales = (w.abs().amax(1).clamp(min=1e-12) / 127).to(torch.bfloat16)
-        self.register_buffer("weight", torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
+        q, scales = int8_rows(lin.weight)
+        self.register_buffer("weight", q)
         self.register_buffer("scales", scales)
     def few_rows(self, x2):
         if self.kernel: return torch.ops.llm_engine.int8_linear(x2, self.weight, self.scales)
@@ -149,9 +154,7 @@ class W8A8Linear(Int8Linear):
         w = lin.weight.detach().float()
         s = act_range.float().clamp(min=1e-5) ** alpha / w.abs().amax(0).clamp(min=1e-5) ** (1 - alpha)
         s = s.clamp(min=1e-5).to(torch.bfloat16)     # exact in bf16: a model cast to bf16 keeps the same factors
-        ws = w * s.float()
-        scales = (ws.abs().amax(1).clamp(min=1e-12) / 127).to(torch.bfloat16)
-        q = torch.round(ws / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        q, scales = int8_rows(w * s.float())          # the smoothed weight, quantized as Int8Linear's is
         self.register_buffer("smooth", s)
         self.register_buffer("smooth_weight", q.t())       # [in, out]: the layout `_int_mm` takes, a view of the rows
         self.register_buffer("smooth_scales", scales)
@@ -160,7 +163,7 @@ class W8A8Linear(Int8Linear):
         # batch (packing all of SmolLM2's took 0.6 s, which the first request would otherwise wait for)
         self.onednn = self._pack() if self.kernel else False
     def _pack(self):
-        "oneDNN's int8 matmul on a weight packed once, its scales applied inside: 1.3x `_int_mm` at 32 rows. None where missing."
+        "oneDNN's int8 matmul on a weight packed once, its scales applied inside: 1.3x `_int_mm` at 32 rows. False where missing."
         try:
             packed = torch.ops.onednn.qlinear_prepack(self.smooth_weight.t().contiguous(), None)
             return packed, self.smooth_scales.float(), torch.zeros(self.out_features, dtype=torch.long)
