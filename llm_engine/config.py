@@ -9,8 +9,9 @@ from dataclasses import dataclass, field, asdict
 from pathlib import Path
 
 # %% auto 0
-__all__ = ['LLAMA_TYPES', 'DTYPES', 'QUANTIZATIONS', 'BF16_CPU_FLAGS', 'ModelConfig', 'parse_size', 'CacheConfig',
-           'SchedulerConfig', 'SpeculativeConfig', 'EngineConfig', 'cache_root', 'resolve_device', 'read_cpu_flags',
+__all__ = ['LLAMA_TYPES', 'DTYPES', 'QUANTIZATIONS', 'ISA_NEEDS', 'ISA_MARCH', 'ISA_ENV', 'ISA_EXTRAS', 'CPU_ISA',
+           'BF16_CPU_FLAGS', 'ModelConfig', 'parse_size', 'CacheConfig', 'SchedulerConfig', 'SpeculativeConfig',
+           'EngineConfig', 'cache_root', 'resolve_device', 'read_cpu_flags', 'CpuIsa', 'resolve_isa', 'apply_isa',
            'resolve_dtype']
 
 # %% ../nbs/00_config.ipynb
@@ -207,13 +208,62 @@ def resolve_device(device: str = "auto") -> str:
     return str(device)
 
 # %% ../nbs/00_config.ipynb
-BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
-
+import platform
 def read_cpu_flags(cpuinfo="/proc/cpuinfo") -> frozenset:
     "The CPU's feature flags as Linux lists them in `/proc/cpuinfo`; empty where there is no such file."
     try: text = Path(cpuinfo).read_text()
     except OSError: return frozenset()
     return frozenset(next((l for l in text.splitlines() if l.startswith("flags")), "").partition(":")[2].split())
+
+ISA_NEEDS = {"avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"),
+             "avx2": ("avx2", "fma", "f16c"), "generic": ()}
+ISA_MARCH = {"avx512": "x86-64-v4", "avx2": "x86-64-v3", "generic": "x86-64-v2"}
+# what each ISA tells PyTorch's own kernels and oneDNN's (None: leave them to pick the best the CPU has)
+ISA_ENV = {"avx512": None, "avx2": ("avx2", "AVX2"), "generic": ("default", "SSE41")}
+ISA_EXTRAS = {"avx512": ("avx512_bf16", "amx_bf16", "avx512_vnni", "amx_int8"), "avx2": (), "generic": ()}
+
+@dataclass(frozen=True)
+class CpuIsa:
+    "The instruction set the CPU kernels are built for, and the CPU flags that set lets them use."
+    name: str                 # avx512, avx2 or generic
+    flags: frozenset          # the CPU's flags within this ISA (avx512_bf16 only under avx512, ...)
+    forced: bool = False      # chosen by LLM_ENGINE_ISA rather than detected
+    def cflags(self) -> list[str]:
+        "The compiler flags of this ISA (x86: a fixed -march level, so one build serves every CPU of that level)."
+        x86 = platform.machine().lower() in ("x86_64", "amd64")
+        return ["-O3", "-ffast-math", "-fopenmp"] + ([f"-march={ISA_MARCH[self.name]}", "-mtune=native"] if x86 else [])
+    @property
+    def bf16(self) -> bool: return bool(self.flags & {"avx512_bf16", "amx_bf16"})
+    @property
+    def vnni(self) -> bool: return bool(self.flags & {"avx512_vnni", "amx_int8"})
+
+def resolve_isa(requested: str|None = None, cpu_flags=None) -> CpuIsa:
+    "The ISA to build for: `requested` (default `$LLM_ENGINE_ISA`, else `auto`: the best this CPU has)."
+    req = (requested if requested is not None else os.environ.get("LLM_ENGINE_ISA", "auto")).strip().lower() or "auto"
+    if req not in ("auto", *ISA_NEEDS): raise ValueError(f"LLM_ENGINE_ISA must be auto, {', '.join(ISA_NEEDS)}; got {req!r}")
+    flags = read_cpu_flags() if cpu_flags is None else frozenset(cpu_flags)
+    x86 = platform.machine().lower() in ("x86_64", "amd64") or cpu_flags is not None
+    usable = [n for n, need in ISA_NEEDS.items() if x86 and set(need) <= flags] or ["generic"]
+    if req != "auto" and req not in usable:
+        lacks = sorted(set(ISA_NEEDS[req]) - flags)
+        raise ValueError(f"LLM_ENGINE_ISA={req} asks for instructions this CPU lacks ({', '.join(lacks)}); "
+                         f"it can run: {', '.join(usable)} (or unset LLM_ENGINE_ISA)")
+    name = usable[0] if req == "auto" else req
+    keep = set(ISA_NEEDS[name]) | set(ISA_EXTRAS[name])
+    return CpuIsa(name, frozenset(flags & keep), req != "auto")
+
+# %% ../nbs/00_config.ipynb
+def apply_isa(isa: CpuIsa) -> CpuIsa:
+    "Tell PyTorch and oneDNN about a forced ISA (before their first kernel runs; an earlier user choice wins)."
+    env = ISA_ENV[isa.name] if isa.forced else None
+    if env is not None:
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", env[0]); os.environ.setdefault("ONEDNN_MAX_CPU_ISA", env[1])
+    return isa
+
+CPU_ISA = apply_isa(resolve_isa())    # at import: a bad LLM_ENGINE_ISA stops here, with its reason
+
+# %% ../nbs/00_config.ipynb
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 def resolve_dtype(dtype: str = "auto", device: str = "cpu", cpu_flags=None, quantization=None) -> str:
     "The dtype to run in: `auto` is bfloat16 on CUDA and on CPUs with bf16 instructions, float32 elsewhere (and for weight-only int8 or q4 on a CPU)."
@@ -223,5 +273,5 @@ def resolve_dtype(dtype: str = "auto", device: str = "cpu", cpu_flags=None, quan
     if kind == "cuda": return "bfloat16"
     # weight-only int8 and q4 keep fp32 activations; w8a8 rounds them to 8 bits in its matmuls, so bf16 between costs nothing
     if kind != "cpu" or quantization not in (None, "w8a8"): return "float32"
-    flags = read_cpu_flags() if cpu_flags is None else frozenset(cpu_flags)
+    flags = CPU_ISA.flags if cpu_flags is None else frozenset(cpu_flags)     # under LLM_ENGINE_ISA=avx2, no bf16
     return "bfloat16" if flags & set(BF16_CPU_FLAGS) else "float32"
