@@ -109,6 +109,11 @@ class ParsedToolOutput:
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 
+def _held_back(text: str) -> int:
+    "Length of the longest suffix of `text` that could begin `<tool_call>`."
+    return next((k for k in range(min(len(text), len(TOOL_CALL_START) - 1), 0, -1) if TOOL_CALL_START.startswith(text[-k:])), 0)
+
+
 # %% ../nbs/06b_tool_calls.ipynb
 def parse_tool_call(body: str) -> ToolCall|None:
     "One `<tool_call>` body, or None if it is not a call."
@@ -125,23 +130,34 @@ def parse_tool_call(body: str) -> ToolCall|None:
         return ToolCall(obj["name"], body[h.end():json.JSONDecoder().raw_decode(body, h.end())[1]])
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
-def parse_tool_calls(text: str) -> ParsedToolOutput:
-    "Split a finished output into content and tool calls."
+def _cut_tail(calls, content) -> ParsedToolOutput:
+    "A cut output whose last block never ended: the calls and the text before that block."
+    return ParsedToolOutput("".join(content).strip() or None, calls)
+
+def parse_tool_calls(text: str, cut: bool = False) -> ParsedToolOutput:
+    "Split a finished output into content and tool calls; `cut`: the output was cut by max_tokens."
     calls, content, pos, dec = [], [], 0, json.JSONDecoder()
+    if cut and (k := _held_back(text)): text = text[:-k]   # the first letters of a tag the cut never finished
     while (i := text.find(TOOL_CALL_START, pos)) >= 0:
         content.append(text[pos:i])
         start = i + len(TOOL_CALL_START)
         body_at = len(text[start:]) - len(text[start:].lstrip()) + start
+        close = text.find(TOOL_CALL_END, start)
         try: end = dec.raw_decode(text, body_at)[1]   # JSON-aware: a "</tool_call>" inside a string is text
-        except json.JSONDecodeError: return ParsedToolOutput(text, [])
+        except json.JSONDecodeError:
+            if cut and close < 0: return _cut_tail(calls, content)
+            return ParsedToolOutput(text, [])
         close = text.find(TOOL_CALL_END, end)
         tail = text[end:close if close >= 0 else len(text)]
         call = parse_tool_call(text[start:end])
-        if call is None or tail.strip(): return ParsedToolOutput(text, [])
+        if call is None and cut and close < 0: return _cut_tail(calls, content)
+        if call is None or (tail.strip() and not (cut and close < 0 and TOOL_CALL_END.startswith(tail.strip()))):
+            return ParsedToolOutput(text, [])
         calls.append(call)
         pos = close + len(TOOL_CALL_END) if close >= 0 else len(text)
     content = ("".join(content) + text[pos:]).strip()
     return ParsedToolOutput(content or None, calls) if calls else ParsedToolOutput(text, [])
+
 
 # %% ../nbs/06b_tool_calls.ipynb
 @dataclass
@@ -161,9 +177,6 @@ class StreamDelta:
     def to_openai(self) -> dict:
         return {"content": self.content} if self.content is not None else {"tool_calls": [t.to_openai() for t in self.tool_calls]}
 
-def _held_back(text: str) -> int:
-    "Length of the longest suffix of `text` that could begin `<tool_call>`."
-    return next((k for k in range(min(len(text), len(TOOL_CALL_START) - 1), 0, -1) if TOOL_CALL_START.startswith(text[-k:])), 0)
 
 # %% ../nbs/06b_tool_calls.ipynb
 class ToolCallStreamParser:
@@ -192,25 +205,23 @@ class ToolCallStreamParser:
 @patch
 def _call(self: ToolCallStreamParser, out) -> bool:
     c, body = self.call, self.text[self.call["start"]:]
-    if c["args"] is None:   # the head: stream only once the name is known
+    if c["args"] is None:   # the head: its name, once complete
         h = _HEAD.match(body)
-        if h and h.end() < len(body):
-            c["args"], c["name"] = c["start"] + h.end(), json.loads(f'"{h.group(1)}"')
-            out.append(StreamDelta(tool_calls=[ToolCallDelta(self.index, c["id"], c["name"], "")]))
+        if h and h.end() < len(body): c["args"], c["name"] = c["start"] + h.end(), json.loads(f'"{h.group(1)}"')
         elif TOOL_CALL_END in body: return self._close_unstreamed(out, body[:body.index(TOOL_CALL_END)])
         else: return False
-    if not c["done"]:
+    if not c["done"]:       # held back until the arguments object is whole: a cut call is never sent
         a = self.text[c["args"]:]
-        try: end = json.JSONDecoder().raw_decode(a)[1]; c["done"] = True
-        except json.JSONDecodeError: end = len(a)
-        if end > c["sent"]: out.append(StreamDelta(tool_calls=[ToolCallDelta(self.index, arguments=a[c["sent"]:end])]))
-        c["sent"] = end
-        if not c["done"]: return False
+        try: c["sent"] = json.JSONDecoder().raw_decode(a)[1]; c["done"] = True
+        except json.JSONDecodeError: return False
+        out.append(StreamDelta(tool_calls=[ToolCallDelta(self.index, c["id"], c["name"], "")]))
+        out.append(StreamDelta(tool_calls=[ToolCallDelta(self.index, arguments=a[:c["sent"]])]))
     j = self.text.find(TOOL_CALL_END, c["args"] + c["sent"])
     if j < 0: return False
     self.tool_calls.append(ToolCall(c["name"], self.text[c["args"]:c["args"] + c["sent"]], c["id"]))
     self.pos, self.call = j + len(TOOL_CALL_END), None
     return True
+
 
 # %% ../nbs/06b_tool_calls.ipynb
 @patch
@@ -220,24 +231,27 @@ def _close_unstreamed(self: ToolCallStreamParser, out, body: str) -> bool:
     if call is None: out.append(StreamDelta(content=TOOL_CALL_START + body + TOOL_CALL_END))
     else:
         call.id = self.call["id"]; self.tool_calls.append(call)
-        out.append(StreamDelta(tool_calls=[ToolCallDelta(self.index, call.id, call.name, call.arguments)]))
+        out.append(StreamDelta(tool_calls=[ToolCallDelta(self.index, call.id, call.name, "")]))
+        out.append(StreamDelta(tool_calls=[ToolCallDelta(self.index, arguments=call.arguments)]))
     self.pos, self.call = self.call["start"] + len(body) + len(TOOL_CALL_END), None
     return True
 
 @patch
-def finish(self: ToolCallStreamParser) -> list[StreamDelta]:
-    "Whatever was held back, once the output has ended."
+def finish(self: ToolCallStreamParser, cut: bool = False) -> list[StreamDelta]:
+    "Whatever was held back, once the output has ended; `cut`: it was cut by max_tokens (an open call is dropped)."
     if self.call is None:
         rest, self.pos = self.text[self.pos:], len(self.text)
+        if cut: rest = rest[:len(rest) - _held_back(rest)]
         return [StreamDelta(content=rest)] if rest else []
-    if self.call["args"] is None:
-        body = self.text[self.call["start"]:]
-        if parse_tool_call(body) is None:
-            self.call = None; return [StreamDelta(content=TOOL_CALL_START + body)]
+    c, body = self.call, self.text[self.call["start"]:]
+    if c["done"]:           # whole arguments, no end tag: a call, already sent
+        self.tool_calls.append(ToolCall(c["name"], self.text[c["args"]:c["args"] + c["sent"]], c["id"])); self.call = None
+        return []
+    if c["args"] is None and parse_tool_call(body) is not None:
         out = []; self._close_unstreamed(out, body); return out
-    if self.call["done"]: self.tool_calls.append(ToolCall(self.call["name"], self.text[self.call["args"]:self.call["args"] + self.call["sent"]], self.call["id"]))
     self.call = None
-    return []
+    return [] if cut else [StreamDelta(content=TOOL_CALL_START + body)]
+
 
 # %% ../nbs/06b_tool_calls.ipynb
 def _call_tag(tool: dict) -> dict:
@@ -253,4 +267,8 @@ def tool_choice_structured_outputs(tools, tool_choice, parallel_tool_calls: bool
     chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice]
     fmt = {"type": "tags_with_separator", "tags": [_call_tag(t) for t in chosen], "separator": "\n",
            "at_least_one": True, "stop_after_first": choice != "required" or not parallel_tool_calls}
+    if not fmt["stop_after_first"]:   # the end may also come after the separator: a model that writes "\n" after each call can stop there
+        fmt = {"type": "sequence", "elements": [fmt, {"type": "or", "elements": [{"type": "const_string", "value": "\n"},
+                                                                                  {"type": "const_string", "value": ""}]}]}
     return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": fmt})
+
