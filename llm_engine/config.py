@@ -5,26 +5,49 @@
 # %% ../nbs/00_config.ipynb 3
 from __future__ import annotations
 import json, os, re
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
+from fastcore.basics import patch
 
 # %% auto 0
-__all__ = ['LLAMA_TYPES', 'DTYPES', 'QUANTIZATIONS', 'ISA_NEEDS', 'ISA_MARCH', 'ISA_ENV', 'ISA_EXTRAS', 'CPU_ISA',
-           'BF16_CPU_FLAGS', 'ModelConfig', 'parse_size', 'CacheConfig', 'SchedulerConfig', 'SpeculativeConfig',
-           'EngineConfig', 'cache_root', 'resolve_device', 'read_cpu_flags', 'CpuIsa', 'resolve_isa', 'apply_isa',
-           'resolve_dtype']
+__all__ = ['FAMILIES', 'LLAMA_TYPES', 'ACTIVATIONS', 'ROPE_TYPES', 'SWITCHES', 'GENERATION_FIELDS', 'DTYPES', 'QUANTIZATIONS',
+           'ISA_NEEDS', 'ISA_MARCH', 'ISA_ENV', 'ISA_EXTRAS', 'CPU_ISA', 'BF16_CPU_FLAGS', 'ModelConfig',
+           'generation_defaults', 'parse_size', 'CacheConfig', 'SchedulerConfig', 'SpeculativeConfig', 'EngineConfig',
+           'cache_root', 'resolve_device', 'read_cpu_flags', 'CpuIsa', 'resolve_isa', 'apply_isa', 'resolve_dtype']
 
 # %% ../nbs/00_config.ipynb
-LLAMA_TYPES = ("llama",)
+FAMILIES = {     # Hugging Face model_type -> the switches its architecture fixes (notebook 05c); the rest come from config fields
+    "llama":       {},
+    "mistral":     {},
+    "qwen2":       {"attention_bias": True, "o_proj_bias": False},
+    "qwen3":       {"qk_norm": True},
+    "gemma2":      {"norm_placement": "sandwich", "norm_offset": 1.0, "embedding_scale": "sqrt_hidden"},
+    "gemma3_text": {"norm_placement": "sandwich", "norm_offset": 1.0, "embedding_scale": "sqrt_hidden", "qk_norm": True},
+    "phi3":        {},
+}
+LLAMA_TYPES = tuple(FAMILIES)        # the older name: every model_type we serve
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 def _get(cfg, name, default=None):
     "Read `name` from a dict or an object."
     if isinstance(cfg, dict): return cfg.get(name, default)
     return getattr(cfg, name, default)
 
+def _need(cfg, name):
+    "A field the model cannot be built without: its absence is an error that names it."
+    v = _get(cfg, name)
+    if v is None: raise ValueError(f"the config has no {name!r} field, which the model needs")
+    return v
+
+# %% ../nbs/00_config.ipynb
+SWITCHES = ("attention_bias", "o_proj_bias", "mlp_bias", "hidden_act", "qk_norm", "norm_placement", "norm_offset",
+            "embedding_scale", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+            "sliding_window", "local_rope_theta")
+
 @dataclass
 class ModelConfig:
-    "The shape of a Llama-architecture model, as the forward pass needs it."
+    "The shape of a decoder-only model, and the named switches that turn our Llama into another family."
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -37,51 +60,129 @@ class ModelConfig:
     rope_scaling: dict|None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False               # biases on q, k and v
     bos_token_id: int|None = None
     eos_token_ids: list = field(default_factory=list)
+    # the family switches, Llama's values by default (each is taught and tested in notebook 05c)
+    model_type: str = "llama"
+    o_proj_bias: bool = False                  # a bias on the attention's output projection
+    mlp_bias: bool = False                     # biases on the MLP's projections
+    hidden_act: str = "silu"                   # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    qk_norm: bool = False                      # RMSNorm over each head of q and k, before RoPE
+    norm_placement: str = "pre"                # "pre": a norm before attention and MLP; "sandwich": one after each as well
+    norm_offset: float = 0.0                   # the checkpoint stores norm weights as `w - norm_offset`
+    embedding_scale: float|None = None         # token embeddings are multiplied by this
+    attn_logit_softcapping: float|None = None  # attention scores s become cap * tanh(s / cap)
+    final_logit_softcapping: float|None = None # the same on the output logits
+    query_pre_attn_scalar: float|None = None   # the attention scale is this ** -0.5 instead of head_dim ** -0.5
+    sliding_window: int|None = None            # keys a windowed layer's query sees, itself included
+    layer_types: tuple = ()                    # per layer "full_attention" or "sliding_attention"; () = all alike
+    local_rope_theta: float|None = None        # RoPE base of the windowed layers, where it is their own
 
-    @classmethod
-    def from_hf(cls, cfg) -> ModelConfig:
-        "Build from a Hugging Face config object or dict; refuse non-Llama architectures."
-        mt = _get(cfg, "model_type")
-        if mt not in LLAMA_TYPES:
-            archs = _get(cfg, "architectures") or []
-            raise ValueError(f"Unsupported architecture: model_type={mt!r} {archs}. "
-                             f"llm_engine serves Llama-architecture models (model_type 'llama').")
-        if _get(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"Unsupported hidden_act {_get(cfg, 'hidden_act')!r}: Llama's SwiGLU needs 'silu'.")
-        nh = _get(cfg, "num_attention_heads")
-        hs = _get(cfg, "hidden_size")
-        # transformers >= 5 moved rope_theta/rope_scaling into one `rope_parameters` dict
-        rp = dict(_get(cfg, "rope_parameters") or {})
-        theta = rp.pop("rope_theta", None) or _get(cfg, "rope_theta", 10000.0)
-        scaling = rp or _get(cfg, "rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default": scaling = None
-        eos = _get(cfg, "eos_token_id")
-        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return cls(vocab_size=_get(cfg, "vocab_size"), hidden_size=hs,
-                   intermediate_size=_get(cfg, "intermediate_size"), num_layers=_get(cfg, "num_hidden_layers"),
-                   num_heads=nh, num_kv_heads=_get(cfg, "num_key_value_heads") or nh,
-                   head_dim=_get(cfg, "head_dim") or hs // nh, rms_norm_eps=_get(cfg, "rms_norm_eps", 1e-5),
-                   rope_theta=float(theta), rope_scaling=dict(scaling) if scaling else None,
-                   max_position_embeddings=_get(cfg, "max_position_embeddings", 2048),
-                   tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
-                   attention_bias=bool(_get(cfg, "attention_bias", False)),
-                   bos_token_id=_get(cfg, "bos_token_id"), eos_token_ids=eos)
+    def layer_window(self, i: int) -> int|None:
+        "The sliding window of layer `i`, or None where it attends to the whole context."
+        if not self.sliding_window or (self.layer_types and self.layer_types[i] != "sliding_attention"): return None
+        return self.sliding_window
 
-    @classmethod
-    def from_pretrained(cls, path) -> ModelConfig:
-        "Read `config.json` from a model folder."
-        p = Path(path)/"config.json"
-        if not p.exists(): raise FileNotFoundError(f"No config.json in model folder {Path(path)}")
-        try: cfg = json.loads(p.read_text())
-        except json.JSONDecodeError as e: raise ValueError(f"Corrupt config file {p}: {e}") from None
-        return cls.from_hf(cfg)
+    def llama_differences(self) -> list[str]:
+        "Names of the switches set away from plain Llama's values (RoPE tables are not among them: every path reads one)."
+        base = {f.name: f.default for f in fields(ModelConfig)}
+        return [s for s in SWITCHES if getattr(self, s) != base[s]]
 
     def kv_bytes_per_token(self, dtype_bytes=4) -> int:
         "Bytes of K and V that one token occupies across all layers."
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+# %% ../nbs/00_config.ipynb
+def _rope_fields(cfg) -> dict:
+    "RoPE base and scaling, from either generation of transformers' fields; Gemma 3's windowed layers have their own base."
+    rp, local = dict(_get(cfg, "rope_parameters") or {}), None
+    if "full_attention" in rp: local, rp = rp.get("sliding_attention") or {}, dict(rp["full_attention"])   # one dict per layer type
+    theta = rp.pop("rope_theta", None) or _get(cfg, "rope_theta") or 10000.0
+    partial = rp.pop("partial_rotary_factor", None) or _get(cfg, "partial_rotary_factor") or 1.0
+    if partial != 1.0: raise ValueError(f"partial_rotary_factor={partial} is not supported (RoPE over the whole head only)")
+    scaling = dict(rp or _get(cfg, "rope_scaling") or {})
+    kind = {"su": "longrope"}.get(k := scaling.get("rope_type", scaling.get("type", "default")), k)
+    if kind not in ROPE_TYPES: raise ValueError(f"rope type {kind!r} is not supported ({', '.join(ROPE_TYPES)} are)")
+    if kind == "longrope":
+        scaling.setdefault("original_max_position_embeddings", _get(cfg, "original_max_position_embeddings"))
+    scaling = {**scaling, "rope_type": kind} if kind != "default" else None
+    if local is not None and local.get("rope_type", "default") != "default":
+        raise ValueError(f"scaled RoPE on the sliding-window layers ({local.get('rope_type')!r}) is not supported")
+    local_theta = (local or {}).get("rope_theta") or _get(cfg, "rope_local_base_freq")
+    return dict(rope_theta=float(theta), rope_scaling=scaling, local_rope_theta=None if local_theta is None else float(local_theta))
+
+def _window_fields(cfg, mt, n) -> dict:
+    "The sliding window and which of the `n` layers use it; nothing where no layer does."
+    sw = _get(cfg, "sliding_window")
+    if mt in ("qwen2", "qwen3") and not _get(cfg, "use_sliding_window", False): sw = None
+    types = _get(cfg, "layer_types")
+    if types is None:      # configs written before transformers listed the layer types
+        pattern = {"gemma2": 2, "gemma3_text": _get(cfg, "sliding_window_pattern", 6)}.get(mt)
+        if pattern: types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+        elif mt in ("qwen2", "qwen3"): types = ["sliding_attention" if i >= _get(cfg, "max_window_layers", 0) else "full_attention" for i in range(n)]
+        else: types = ["sliding_attention"] * n
+    if len(types) != n: raise ValueError(f"layer_types lists {len(types)} layers, the model has {n}")
+    if not sw or "sliding_attention" not in types: return dict(sliding_window=None, layer_types=())
+    return dict(sliding_window=int(sw), layer_types=() if set(types) == {"sliding_attention"} else tuple(types))
+
+# %% ../nbs/00_config.ipynb
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}   # theirs -> SamplingParams'
+
+def generation_defaults(path) -> dict:
+    "What a model folder's `generation_config.json` sets: sampling defaults under `SamplingParams` names, and `eos_token_ids`."
+    p = Path(path) / "generation_config.json"
+    if not p.exists(): return {}
+    try: g = json.loads(p.read_text())
+    except json.JSONDecodeError as e: raise ValueError(f"Corrupt generation config {p}: {e}") from None
+    out = {ours: g[theirs] for theirs, ours in GENERATION_FIELDS.items() if g.get(theirs) is not None}
+    eos = g.get("eos_token_id")
+    if eos is not None: out["eos_token_ids"] = [eos] if isinstance(eos, int) else list(eos)
+    return out
+
+# %% ../nbs/00_config.ipynb
+def _family(cfg) -> tuple:
+    "`(model_type, cfg)`: the family's name, and the text model's own config for a multimodal wrapper."
+    mt = _get(cfg, "model_type")
+    if mt not in FAMILIES:
+        archs = _get(cfg, "architectures") or []
+        raise ValueError(f"Unsupported architecture: model_type={mt!r} {archs}. llm_engine serves these families "
+                         f"(model_type): Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 text, Phi-3 ({', '.join(FAMILIES)}).")
+    return mt, cfg
+
+@patch(cls_method=True)
+def from_hf(cls: ModelConfig, cfg) -> ModelConfig:
+    "Build from a Hugging Face config object or dict: the shape, then the family's switches (table, then config fields)."
+    mt, cfg = _family(cfg)
+    act = _get(cfg, "hidden_activation") or _get(cfg, "hidden_act") or "silu"
+    if act not in ACTIVATIONS: raise ValueError(f"Unsupported hidden_act {act!r} ({', '.join(ACTIVATIONS)} are supported)")
+    nh, hs, n = _need(cfg, "num_attention_heads"), _need(cfg, "hidden_size"), _need(cfg, "num_hidden_layers")
+    eos = _get(cfg, "eos_token_id")
+    bias = bool(_get(cfg, "attention_bias", False))
+    sw = dict(attention_bias=bias, o_proj_bias=bias, mlp_bias=bool(_get(cfg, "mlp_bias", False)), hidden_act=ACTIVATIONS[act],
+              attn_logit_softcapping=_get(cfg, "attn_logit_softcapping"), final_logit_softcapping=_get(cfg, "final_logit_softcapping"),
+              query_pre_attn_scalar=_get(cfg, "query_pre_attn_scalar"), **_window_fields(cfg, mt, n), **_rope_fields(cfg))
+    sw.update(FAMILIES[mt])
+    if sw.get("embedding_scale") == "sqrt_hidden": sw["embedding_scale"] = hs ** 0.5
+    return cls(vocab_size=_need(cfg, "vocab_size"), hidden_size=hs, intermediate_size=_need(cfg, "intermediate_size"),
+               num_layers=n, num_heads=nh, num_kv_heads=_get(cfg, "num_key_value_heads") or nh,
+               head_dim=_get(cfg, "head_dim") or hs // nh, rms_norm_eps=_get(cfg, "rms_norm_eps", 1e-5),
+               max_position_embeddings=_get(cfg, "max_position_embeddings", 2048),
+               tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)), bos_token_id=_get(cfg, "bos_token_id"),
+               eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)), model_type=mt, **sw)
+
+@patch(cls_method=True)
+def from_pretrained(cls: ModelConfig, path) -> ModelConfig:
+    "Read `config.json` from a model folder (and the extra end-of-sequence ids of `generation_config.json`); errors name the file."
+    p = Path(path)/"config.json"
+    if not p.exists(): raise FileNotFoundError(f"No config.json in model folder {Path(path)}")
+    try: mc = cls.from_hf(json.loads(p.read_text()))
+    except json.JSONDecodeError as e: raise ValueError(f"Corrupt config file {p}: {e}") from None
+    except ValueError as e: raise ValueError(f"{p}: {e}") from None
+    extra = generation_defaults(path).get("eos_token_ids", [])
+    mc.eos_token_ids = list(dict.fromkeys(mc.eos_token_ids + extra))
+    return mc
 
 # %% ../nbs/00_config.ipynb
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,

@@ -10,7 +10,7 @@ import torch
 from .model import resolve_model, load_tokenizer
 
 # %% auto 0
-__all__ = ['make_tiny_model', 'ServerProcess']
+__all__ = ['TINY_FAMILIES', 'make_tiny_model', 'make_tiny_family', 'ServerProcess']
 
 # %% ../nbs/05a_testing.ipynb
 def make_tiny_model(out_dir, seed=0, layers=2, hidden=64, heads=4, kv_heads=2, max_pos=2048) -> Path:
@@ -24,6 +24,45 @@ def make_tiny_model(out_dir, seed=0, layers=2, hidden=64, heads=4, kv_heads=2, m
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
                       tie_word_embeddings=True, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, initializer_range=0.2)
     LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+# %% ../nbs/05a_testing.ipynb
+def _tiny_families() -> dict:
+    "Each family's config class and a tiny version of its real layout (head counts, explicit head_dim, windows, RoPE)."
+    from transformers import (LlamaConfig, Qwen2Config, Qwen3Config, MistralConfig, Gemma2Config, Gemma3TextConfig, Phi3Config)
+    llama3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+    longrope = dict(rope_type="longrope", short_factor=[1.0 + i / 8 for i in range(8)], long_factor=[2.0 + i / 4 for i in range(8)])
+    return {   # family -> (config class, its fields); a window of 8 tokens so that short prompts cross it
+        "llama3":  (LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2, rope_scaling=llama3, rope_theta=5e5)),
+        "qwen2":   (Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)),
+        "qwen3":   (Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+        "mistral": (MistralConfig, dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8, sliding_window=8, tie_word_embeddings=False)),
+        "gemma2":  (Gemma2Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+                                       sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=10.0)),
+        "gemma3":  (Gemma3TextConfig, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+                                           sliding_window=8, layer_types=["sliding_attention"] * 3 + ["full_attention"])),
+        "phi3":    (Phi3Config, dict(num_attention_heads=4, num_key_value_heads=4, rope_scaling=longrope, max_position_embeddings=128,
+                                     original_max_position_embeddings=32, tie_word_embeddings=False)),
+    }
+TINY_FAMILIES = ("llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")
+
+def make_tiny_family(out_dir, family: str, seed=0, layers=4, hidden=64, shards=1) -> Path:
+    "A random model of `family` (one of `TINY_FAMILIES`) built with its transformers config class, saved with the embedded tokenizer."
+    from transformers import AutoModelForCausalLM
+    out = Path(out_dir)
+    if (out / "config.json").exists(): return out
+    cls, kw = _tiny_families()[family]
+    tok = load_tokenizer(resolve_model(None))
+    kw = dict(dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                   max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2, eos_token_id=tok.eos_token_id,
+                   bos_token_id=tok.bos_token_id, pad_token_id=tok.eos_token_id), **kw)
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(cls(**kw))
+    with torch.no_grad():     # Gemma's norms start at zero (a weight of 1): random ones make the test of the +1 bite
+        for n, p in m.named_parameters():
+            if "norm" in n: p.normal_(0.0 if kw.get("model_type", cls.model_type).startswith("gemma") else 1.0, 0.2)
+    m.save_pretrained(out, max_shard_size=f"{max(1, m.num_parameters() * 4 // shards // 1000 + 1)}KB" if shards > 1 else "50GB")
     tok.save_pretrained(out)
     return out
 
