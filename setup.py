@@ -35,7 +35,7 @@ setuptools.setup(
     url = cfg['git_url'],
     packages = setuptools.find_packages(include=[cfg['lib_name'], cfg['lib_name'] + '.*']),
     include_package_data = True,
-    package_data = {cfg['lib_name']: ['csrc/*.cpp']},   # the C++ decode kernel, compiled on first use
+    package_data = {cfg['lib_name']: ['csrc/*.cpp', 'static/*']},   # the C++ decode kernel, compiled on first use; the web page's files
     install_requires = requirements,
     extras_require={ 'dev': dev_requirements, 'ray': shlex.split(cfg.get('ray_requirements', '')) },
     dependency_links = cfg.get('dep_links','').split(),
