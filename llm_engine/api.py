@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_api.ipynb 3
 from __future__ import annotations
-import anyio, asyncio, dataclasses, hmac, json, logging, re, secrets, time, uuid
+import anyio, asyncio, dataclasses, functools, hmac, json, logging, re, secrets, time, uuid
 from contextlib import aclosing
 from dataclasses import dataclass
 from fastapi import APIRouter, FastAPI, Request
@@ -20,13 +20,14 @@ from .tool_parsers import render_tool_messages, parse_tool_calls, ToolCallStream
 # %% auto 0
 __all__ = ['log', 'PROTECTED', 'LOGPROB_FLOOR', 'router', 'TOOL_CALL_PARSERS', 'SEND_BUFFER', 'ServerConfig', 'clean_model_name',
            'model_aliases', 'ServerContext', 'Guard', 'error_json', 'render_chat', 'chat_messages', 'chat_prompt_ids',
-           'tools_active', 'completion_prompt_ids', 'prepare', 'start', 'start_all', 'ClientGone', 'until_done',
-           'tok_str', 'json_logprob', 'chat_logprobs', 'completion_logprobs', 'join_logprobs', 'prompt_logprobs_json',
-           'usage', 'finish_reason', 'sse', 'sse_error', 'output_error', 'Cursor', 'chat_chunk', 'chat_stream',
-           'chat_chunks', 'merge', 'EventStream', 'completion_chunk', 'completion_stream', 'echo_text', 'echo_logprobs',
-           'needs_prompt_logprobs', 'chat_completions', 'chat_response', 'completions', 'completion_choice', 'tokenize',
-           'detokenize', 'health', 'models', 'stats', 'metrics', 'debug_trace', 'load_chat_template',
-           'check_tool_call_parser', 'build_app', 'raise_open_file_limit', 'listen_socket', 'serve']
+           'tools_active', 'check_token_ids', 'completion_prompt_ids', 'prepare', 'start', 'start_all', 'ClientGone',
+           'until_done', 'tok_str', 'json_logprob', 'chat_logprobs', 'completion_logprobs', 'join_logprobs',
+           'prompt_logprobs_json', 'usage', 'finish_reason', 'sse', 'sse_error', 'output_error', 'Cursor', 'chat_chunk',
+           'role_chunk', 'chat_stream', 'chat_chunks', 'merge', 'EventStream', 'completion_chunk', 'completion_stream',
+           'echo_text', 'echo_logprobs', 'needs_prompt_logprobs', 'chat_completions', 'chat_response', 'completions',
+           'completion_choice', 'token_piece', 'tokenize', 'detokenize', 'health', 'models', 'stats', 'metrics',
+           'debug_trace', 'load_chat_template', 'check_tool_call_parser', 'build_app', 'raise_open_file_limit',
+           'listen_socket', 'serve']
 
 # %% ../nbs/10_api.ipynb
 log = logging.getLogger("llm_engine.api")
@@ -135,11 +136,12 @@ async def _http_error(request, e):
     return error_json(APIError(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error"))
 
 # %% ../nbs/10_api.ipynb
-def render_chat(tok, messages: list[dict], add_generation_prompt=True, **template_kw) -> list[int]:
+def render_chat(tok, messages: list[dict], add_generation_prompt=True, continue_final=False, **template_kw) -> list[int]:
     "Token ids of `messages` in the chat template; only the template's own markers become special tokens."
     marks = [f"\u2063{secrets.token_hex(8)}\u2063" for _ in messages]
     shown = [{**m, "role": "system" if m["role"] == "developer" else m["role"], "content": mk} for m, mk in zip(messages, marks)]
-    text = tok.apply_chat_template(shown, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kw)
+    text = tok.apply_chat_template(shown, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final, **template_kw)
+    if continue_final: text = text[:text.rindex(marks[-1]) + len(marks[-1])]   # the last message stays open
     content = dict(zip(marks, (m["content"] for m in messages)))
     ids = []
     for piece in re.split("(" + "|".join(map(re.escape, marks)) + ")", text):
@@ -157,30 +159,38 @@ def chat_messages(req) -> list[dict]:
         out.append({"role": m.role, "content": m.text(i), **({"name": m.name} if m.name else {}), **extra})
     return out
 
+
 # %% ../nbs/10_api.ipynb
 def chat_prompt_ids(ctx: ServerContext, req) -> list[int]:
     "The prompt of a chat request: its messages (and tools) through the chat template."
     tools, choice = req.tool_setup()
-    shown, msgs = tools if choice != "none" else [], chat_messages(req)
+    shown, msgs, cont = tools if choice != "none" else [], chat_messages(req), req.continues()
+    gen = req.add_generation_prompt and not cont
     kw = {**(req.chat_template_kwargs or {}), **({"chat_template": ctx.chat_template} if ctx.chat_template else {})}
-    if ctx.template_has_tools: return render_chat(ctx.tok, msgs, req.add_generation_prompt, **({"tools": shown} if shown else {}), **kw)
+    if ctx.template_has_tools: return render_chat(ctx.tok, msgs, gen, cont, **({"tools": shown} if shown else {}), **kw)
     if shown or any(m["role"] == "tool" or m.get("tool_calls") for m in msgs): msgs = render_tool_messages(msgs, shown)
-    return render_chat(ctx.tok, msgs, req.add_generation_prompt, **kw)
+    return render_chat(ctx.tok, msgs, gen, cont, **kw)
 
 def tools_active(req) -> bool: return bool(getattr(req, "tools", None)) and req.tool_setup()[1] != "none"
 
+
 # %% ../nbs/10_api.ipynb
+def check_token_ids(ctx: ServerContext, ids, param) -> list[int]:
+    "Token ids given by the client, each in the vocabulary; a 400 names the first that is not."
+    if bad := [t for t in ids if not 0 <= t < ctx.vocab_size]:
+        raise bad_request(param, f"token id {bad[0]} is out of vocabulary (ids are in [0, {ctx.vocab_size}))")
+    return list(ids)
+
 def completion_prompt_ids(ctx: ServerContext, p) -> list[int]:
     "A raw completions prompt: a string is tokenized with its special tokens (the caller writes the format)."
-    if isinstance(p, str): return ctx.tok(p)["input_ids"]
-    if not all(0 <= t < ctx.vocab_size for t in p): raise bad_request("prompt", f"prompt token ids must be in [0, {ctx.vocab_size})")
-    return list(p)
+    return ctx.tok(p)["input_ids"] if isinstance(p, str) else check_token_ids(ctx, p, "prompt")
 
 def prepare(ctx: ServerContext, req, ids, params, param):
     "(ids, params) for one prompt after truncation and fitting `max_tokens` to the context."
-    if req.truncate_prompt_tokens: ids = ids[-req.truncate_prompt_tokens:]
+    if k := req.truncate_prompt_tokens: ids = ids[:k] if req.truncation_side == "right" else ids[-k:]
     if not ids: raise bad_request(param, "prompt must not be empty")
     return ids, fit_to_context(params, len(ids), ctx.engine.max_model_len, ctx.kv_tokens, param)
+
 
 # %% ../nbs/10_api.ipynb
 async def start(ctx: ServerContext, ids, params, priority, param, request_id=None):
@@ -305,12 +315,19 @@ def chat_chunk(ctx, req, c, step, usage_now=None) -> ChatCompletionResponse|None
     if req.return_token_ids: choice.token_ids = list(ids)
     return ChatCompletionResponse(id="", object="chat.completion.chunk", created=0, model=ctx.name, choices=[choice], usage=usage_now)
 
+def role_chunk(req, head, i, first) -> dict:
+    "The first chunk of choice `i`: its role (and with `return_token_ids`, the prompt's token ids)."
+    body = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+    if req.return_token_ids: body["prompt_token_ids"] = list(first.prompt_token_ids); body["choices"][0]["token_ids"] = []
+    if (req.stream_options or StreamOptions()).continuous_usage_stats: body["usage"] = usage([first], partial=True).model_dump()
+    return body
+
 async def chat_stream(ctx, req, head: dict, first, gen):
     "SSE events of one streamed chat completion."
     so, cursors, out = req.stream_options or StreamOptions(), {}, first
     parsers = {i: ToolCallStreamParser() for i in range(req.n)} if tools_active(req) else None
     try:
-        for i in range(req.n): yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+        for i in range(req.n): yield sse(role_chunk(req, head, i, first))
         async for out in _chain(first, gen):
             if out.error: yield sse_error(out.error, output_error(out).type); return
             for c in out.outputs:
@@ -325,6 +342,7 @@ async def _chain(first, gen):
     yield first
     async for o in gen: yield o
 
+
 # %% ../nbs/10_api.ipynb
 def _tool_finish(c, called: bool) -> str: return "tool_calls" if called and c.finish_reason == "stop" else finish_reason(c)
 
@@ -333,7 +351,7 @@ def chat_chunks(ctx, req, c, step, usage_now=None, parsers=None) -> list[ChatCom
     if parsers is None: return [chat_chunk(ctx, req, c, step, usage_now)]
     new, ids, lps, done = step
     p = parsers[c.index]
-    deltas = [d.to_openai() for d in p.feed(new) + (p.finish() if done else [])]
+    deltas = [d.to_openai() for d in p.feed(new) + (p.finish(c.finish_reason == "length") if done else [])]
     if done or not deltas: deltas.append({})          # the finish reason, or logprobs with nothing to show yet
     chunks = [chat_chunk(ctx, req, c, (None, ids if k == 0 else [], lps if k == 0 else None, False), usage_now) for k in range(len(deltas))]
     for ch, d in zip(chunks, deltas): ch.choices[0].delta = d
@@ -448,8 +466,9 @@ def chat_response(ctx, req, head, out) -> ChatCompletionResponse:
     choices = []
     for c in out.outputs:
         msg, reason = ChatChoiceMessage(content=c.text), finish_reason(c)
-        if tools_active(req) and (parsed := parse_tool_calls(c.text)).tool_calls:
-            msg = ChatChoiceMessage(content=parsed.content, tool_calls=[t.to_openai() for t in parsed.tool_calls])
+        cut = c.finish_reason == "length"
+        if tools_active(req) and ((parsed := parse_tool_calls(c.text, cut)).tool_calls or cut):
+            msg = ChatChoiceMessage(content=parsed.content, tool_calls=[t.to_openai() for t in parsed.tool_calls] or None)
             reason = _tool_finish(c, True)
         ch = ChatChoice(index=c.index, message=msg, finish_reason=reason,
                         logprobs=chat_logprobs(ctx.tok, c.token_ids, c.logprobs, req.top_logprobs, req.return_tokens_as_token_ids)
@@ -485,10 +504,34 @@ def completion_choice(ctx, req, pi, o, c) -> CompletionChoice:
     return ch
 
 # %% ../nbs/10_api.ipynb
+@functools.lru_cache(1)
+def _byte_decoder() -> dict:
+    "Byte-level BPE's table (GPT-2's) from the printable character standing for a byte back to the byte."
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in keep]
+    return {chr(b): b for b in keep} | {chr(256 + k): b for k, b in enumerate(moved)}
+
+def token_piece(tok, t) -> str|list[int]:
+    "A token's text, or its bytes when it is only part of a character (a byte-level or byte-fallback token)."
+    s = tok.decode([t])
+    if "\ufffd" not in s: return s
+    raw = tok.convert_ids_to_tokens(t)
+    if m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", raw): return [int(m.group(1), 16)]
+    inv = _byte_decoder()
+    return [inv[ch] for ch in raw] if all(ch in inv for ch in raw) else s
+
+def _llama_tokenize(ctx, req) -> dict:
+    "llama.cpp's /tokenize: `content` in; ids out, or `{id, piece}` pairs (a piece that is no whole character as its bytes)."
+    ids = ctx.tok(req.content, add_special_tokens=req.add_special, split_special_tokens=not req.parse_special)["input_ids"]
+    if not req.with_pieces: return {"tokens": ids}
+    return {"tokens": [{"id": t, "piece": token_piece(ctx.tok, t)} for t in ids]}
+
 @router.post("/tokenize")
 async def tokenize(req: TokenizeRequest, request: Request):
     ctx = _ctx(request); ctx.check_model(req.model)
-    if (req.prompt is None) == (req.messages is None): raise bad_request("prompt", "give exactly one of prompt and messages")
+    if sum(x is not None for x in (req.prompt, req.messages, req.content)) != 1:
+        raise bad_request("prompt", "give exactly one of prompt, messages and content")
+    if req.content is not None: return _llama_tokenize(ctx, req)
     if req.messages is not None:
         if not req.messages: raise bad_request("messages", "messages must not be empty")
         ids = render_chat(ctx.tok, [{"role": m.role, "content": m.text(i)} for i, m in enumerate(req.messages)], req.add_generation_prompt)
@@ -500,7 +543,8 @@ async def tokenize(req: TokenizeRequest, request: Request):
 @router.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, request: Request):
     ctx = _ctx(request); ctx.check_model(req.model)
-    return {"prompt": ctx.tok.decode(completion_prompt_ids(ctx, req.tokens) if req.tokens else [])}
+    return {"prompt": ctx.tok.decode(check_token_ids(ctx, req.tokens, "tokens"))}
+
 
 # %% ../nbs/10_api.ipynb
 @router.get("/health")
@@ -552,13 +596,13 @@ def check_tool_call_parser(name: str) -> str:
 
 # %% ../nbs/10_api.ipynb
 def build_app(aeng: AsyncLLMEngine, served_model_name=None, api_key=None, max_body_bytes=4 * 2**20, allowed_origins=None,
-              chat_template=None, tool_call_parser="hermes") -> FastAPI:
+              chat_template=None, tool_call_parser="hermes", routers=(), hooks=()) -> FastAPI:
     "The OpenAI-compatible FastAPI app over a running `AsyncLLMEngine`; `chat_template` is a template file or text."
     name = served_model_name or clean_model_name(aeng.engine.model_name)
     app = FastAPI(title="llm_engine", version="0.1.0", lifespan=_lifespan)
     app.state.ctx = ServerContext(aeng, name, model_aliases(aeng.engine.model_name) | {name}, load_chat_template(chat_template),
                                   check_tool_call_parser(tool_call_parser))
-    app.include_router(router)
+    for r in (router, *routers): app.include_router(r)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -566,7 +610,9 @@ def build_app(aeng: AsyncLLMEngine, served_model_name=None, api_key=None, max_bo
     if allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])
+    for hook in hooks: hook(app)
     return app
+
 
 # %% ../nbs/10_api.ipynb
 from contextlib import asynccontextmanager
@@ -600,8 +646,8 @@ def listen_socket(host, port, send_buffer=SEND_BUFFER):
     sock.bind(addr); sock.set_inheritable(True)
     return sock
 
-def serve(server: ServerConfig|None = None, engine=None, **engine_kw):
-    "Start the OpenAI-compatible server (blocking); `engine` is an `EngineConfig`, or `engine_kw` builds one."
+def serve(server: ServerConfig|None = None, engine=None, routers=(), hooks=(), **engine_kw):
+    "Start the OpenAI-compatible server (blocking); `engine` is an `EngineConfig`, or `engine_kw` builds one; `routers`, `hooks`: see `build_app`."
     import uvicorn
     from llm_engine.engine import LLMEngine
     from llm_engine.config import EngineConfig
@@ -610,7 +656,8 @@ def serve(server: ServerConfig|None = None, engine=None, **engine_kw):
     cfg = engine or EngineConfig.create(**engine_kw)
     # built on its own loop thread (one OpenMP team: notebook 08); tensor-parallel ranks start from the main thread
     aeng = AsyncLLMEngine(cfg if cfg.tensor_parallel_size == 1 else LLMEngine(cfg)).start()
-    app = build_app(aeng, s.served_model_name, s.api_key, s.max_body_bytes, s.allowed_origins, s.chat_template, s.tool_call_parser)
+    app = build_app(aeng, s.served_model_name, s.api_key, s.max_body_bytes, s.allowed_origins, s.chat_template, s.tool_call_parser,
+                    routers, hooks)
     # what is built by now (model, tokenizer, app: some 390k objects) lives as long as the server, so it leaves the
     # cyclic collector's view: a full collection over it took 220 ms here, a stall of every stream in flight (vLLM
     # freezes its engine's objects the same way); unfrozen at exit, so extension modules see their objects freed

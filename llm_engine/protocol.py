@@ -7,9 +7,10 @@ from __future__ import annotations
 import dataclasses, re
 from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
+from fastcore.basics import patch
 from .sampling import SamplingParams, BadParam
 from .structured import StructuredOutputsParams
-from .tool_parsers import validate_tools, tool_choice_structured_outputs
+from .tool_parsers import validate_tools, tool_choice_structured_outputs, TOOL_CALL_END
 
 # %% auto 0
 __all__ = ['ROLES', 'INT64_MIN', 'INT64_MAX', 'UNSUPPORTED', 'APIError', 'bad_request', 'ContentPart', 'ChatMessage',
@@ -83,6 +84,7 @@ class SamplingRequest(BaseModel):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     truncate_prompt_tokens: int|None = Field(None, ge=1)
+    truncation_side: Literal["left", "right"] = "left"   # vLLM: which end `truncate_prompt_tokens` cuts from
     priority: int = 0
     user: str|None = None
     # structured outputs, each client family's spelling (chapter 6a): at most one of them per request
@@ -104,18 +106,24 @@ UNSUPPORTED = {
     "modalities": lambda v: v in (None, ["text"]), "prediction": lambda v: v is None, "store": lambda v: not v,
     "reasoning_effort": lambda v: v is None, "web_search_options": lambda v: v is None, "use_beam_search": lambda v: not v,
     "guided_decoding_backend": lambda v: v is None, "guided_whitespace_pattern": lambda v: v is None,
-    "continue_final_message": lambda v: not v, "chat_template": lambda v: v is None,
+    "chat_template": lambda v: v is None, "continue_final_message": lambda v: not v,   # chat declares it
     "echo": lambda v: not v,   # `echo` here only reaches chat requests (vLLM's chat echo)
     "documents": lambda v: v is None, "length_penalty": lambda v: v in (None, 1, 1.0),
+    "metadata": lambda v: not v, "service_tier": lambda v: v in (None, "auto", "default"), "prompt_cache_key": lambda v: v is None,
+    "safety_identifier": lambda v: v is None, "verbosity": lambda v: v is None, "add_generation_prompt": lambda v: v is None,
 }
 
 def check_supported(req: BaseModel):
-    "Refuse, naming it, a known field set to something we do not implement."
+    "Refuse, naming it, a known field set to something we do not implement, and any field we do not know."
     extra = req.model_extra or {}
     for k, ok in UNSUPPORTED.items():
         if k in extra and not ok(extra[k]): raise bad_request(k, f"`{k}` is not supported by this server", code="unsupported_parameter")
+    if unknown := [k for k in extra if k not in UNSUPPORTED]:
+        raise bad_request(unknown[0], f"Unrecognized request argument{'s' * (len(unknown) > 1)} supplied: {', '.join(unknown)}",
+                          code="unknown_parameter")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options", "stream_options is only allowed when stream is true")
+
 
 # %% ../nbs/09a_protocol.ipynb
 class ChatCompletionRequest(SamplingRequest):
@@ -124,6 +132,7 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int|None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool|None = None
     chat_template_kwargs: dict|None = None
     tools: list|None = None
     tool_choice: str|dict|None = None
@@ -156,10 +165,25 @@ class CompletionRequest(SamplingRequest):
         if any(len(x) == 0 for x in p): raise bad_request("prompt", "prompt must not be empty")
         return p
 
+
+# %% ../nbs/09a_protocol.ipynb
+@patch
+def continues(self: ChatCompletionRequest) -> bool:
+    "Whether the reply continues the last (assistant) message instead of starting a new turn; 400 for contradictions."
+    last = self.messages[-1] if self.messages else None
+    prefill = last is not None and last.role == "assistant" and not (last.model_extra or {}).get("tool_calls")
+    gen_asked = "add_generation_prompt" in self.model_fields_set and self.add_generation_prompt
+    if self.continue_final_message:
+        if not prefill: raise bad_request("continue_final_message", "continue_final_message needs the last message to be the assistant's (without tool_calls)")
+        if gen_asked: raise bad_request("continue_final_message", "continue_final_message and add_generation_prompt cannot both be true")
+        return True
+    return self.continue_final_message is None and prefill and not gen_asked
+
+
 # %% ../nbs/09a_protocol.ipynb
 def _token_ids(name, ids, V) -> list[int]:
     ids = list(ids or [])
-    if any(not 0 <= t < V for t in ids): raise bad_request(name, f"{name} must hold token ids in [0, {V})")
+    if bad := [t for t in ids if not 0 <= t < V]: raise bad_request(name, f"{name}: token id {bad[0]} is out of vocabulary (ids are in [0, {V}))")
     return ids
 
 def _logit_bias(bias, V) -> dict[int, float]|None:
@@ -179,10 +203,14 @@ def _bad_words(words, tok) -> list[list[int]]:
             if ids and ids not in seqs: seqs.append(ids)
     return seqs
 
+
 # %% ../nbs/09a_protocol.ipynb
 def _response_format(v: dict) -> dict|None:
     t = v.get("type")
     if t in (None, "text"): return None
+    if "schema" in v and t in ("json_object", "json_schema"):   # llama.cpp: the schema in response_format itself
+        if not isinstance(v["schema"], (dict, bool)): raise bad_request("response_format.schema", "response_format.schema must be a JSON Schema object")
+        return {"json": v["schema"]}
     if t == "json_object": return {"json_object": True}
     if t == "json_schema":
         js = v.get("json_schema")
@@ -221,6 +249,11 @@ def structured_outputs_of(req: SamplingRequest) -> StructuredOutputsParams|None:
     except Exception as e: raise bad_request(k, f"{k}: {e}") from None   # whatever the grammar library makes of a bad spec is the client's 400
 
 # %% ../nbs/09a_protocol.ipynb
+def _stops(req) -> list[str]|str|None:
+    "The request's stop strings; one tool call and no grammar (auto, `parallel_tool_calls: false`) also stops at its end tag."
+    if not (isinstance(req, ChatCompletionRequest) and req.tools and not req.parallel_tool_calls and req.tool_setup()[1] == "auto"): return req.stop
+    return ([req.stop] if isinstance(req.stop, str) else list(req.stop or [])) + [TOOL_CALL_END]
+
 def to_sampling_params(req: SamplingRequest, tok, vocab_size: int) -> SamplingParams:
     "Translate a request body into `SamplingParams`; `max_tokens` stays None (the room left, decided per prompt)."
     V = vocab_size
@@ -229,13 +262,14 @@ def to_sampling_params(req: SamplingRequest, tok, vocab_size: int) -> SamplingPa
         return SamplingParams(
             n=req.n, max_tokens=mt, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-            seed=req.seed, stop=req.stop, stop_token_ids=_token_ids("stop_token_ids", req.stop_token_ids, V), ignore_eos=req.ignore_eos,
+            seed=req.seed, stop=_stops(req), stop_token_ids=_token_ids("stop_token_ids", req.stop_token_ids, V), ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens, logprobs=req.num_logprobs(), prompt_logprobs=req.prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=_logit_bias(req.logit_bias, V), bad_words=req.bad_words, bad_words_token_ids=_bad_words(req.bad_words, tok),
             allowed_token_ids=_token_ids("allowed_token_ids", req.allowed_token_ids, V) if req.allowed_token_ids is not None else None,
             structured_outputs=structured_outputs_of(req))
     except BadParam as e: raise bad_request(e.param, str(e)) from None
+
 
 # %% ../nbs/09a_protocol.ipynb
 def fit_to_context(params: SamplingParams, n_prompt: int, max_model_len: int, kv_tokens: int, param="prompt") -> SamplingParams:
@@ -255,16 +289,23 @@ def fit_to_context(params: SamplingParams, n_prompt: int, max_model_len: int, kv
 
 # %% ../nbs/09a_protocol.ipynb
 class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     model: str|None = None
     prompt: str|None = None
     messages: list[ChatMessage]|None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    content: str|None = None          # llama.cpp's shape
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
 
 class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     model: str|None = None
     tokens: list[int]
+
 
 # %% ../nbs/09a_protocol.ipynb
 class _Out(BaseModel): model_config = ConfigDict(extra="allow")
