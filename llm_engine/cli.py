@@ -8,7 +8,7 @@ import argparse, dataclasses, os, sys
 from .config import DTYPES, QUANTIZATIONS
 
 # %% auto 0
-__all__ = ['HELP', 'FLAGS', 'SKIP', 'SIZES', 'CHOICES', 'add_config_args', 'config_kw', 'build_parser', 'main']
+__all__ = ['HELP', 'FLAGS', 'SKIP', 'SIZES', 'CHOICES', 'add_config_args', 'config_kw', 'build_parser', 'app_parts', 'main']
 
 # %% ../nbs/11_cli.ipynb
 HELP = {
@@ -112,6 +112,12 @@ def _stream(engine, prompt, params, out=None) -> str:
             out.write(text[shown:]); out.flush(); shown = len(text)
     out.write("\n"); return text
 
+def app_parts() -> dict:
+    "What `llm-engine serve` adds to chapter 10's app: `routers` to include and `hooks` called with the built app, one line each."
+    from llm_engine import responses
+    return {"routers": [responses.router],   # POST /v1/responses and the stored responses (chapter 10a)
+            "hooks": []}
+
 def _serve(a):
     from llm_engine.api import serve, ServerConfig
     from llm_engine.config import EngineConfig
@@ -124,7 +130,7 @@ def _serve(a):
         serve_replicas(replicas=sc.replicas, host=sc.host, port=sc.port, api_key=sc.api_key, served_model_name=sc.served_model_name,
                        ray_address=sc.ray_address, **_engine_kw(a))
         return 0
-    return serve(sc, EngineConfig.create(**_engine_kw(a)))
+    return serve(sc, EngineConfig.create(**_engine_kw(a)), **app_parts())
 
 def _trace(a) -> int:
     "Print the server's explanation of one request (GET /v1/debug/trace)."
