@@ -132,6 +132,7 @@ class StateHub:
         self.sampled_at = self.frame_at = -math.inf
         self._pending = None
         self.frames, self.lock_held_s = 0, 0.0     # frames taken, and seconds the step loop waited for them
+        self.closing = False                       # the server is stopping: open streams end at their next frame
 
     def sample(self) -> str|None:
         "One frame as JSON text (on a worker thread): copy under the engine's lock, the rest outside; None if the lock stayed busy."
@@ -170,7 +171,7 @@ async def _frames(hub: StateHub, limit: int|None):
     hub.viewers += 1
     try:
         version, sent = 0, 0
-        while limit is None or sent < limit:
+        while (limit is None or sent < limit) and not hub.closing:
             version, text = await hub.next_frame(version)
             yield f"data: {text}\n\n"; sent += 1
     finally: hub.viewers -= 1
@@ -223,7 +224,7 @@ def mount_web(app: FastAPI, page: bool = True, interval: float = 0.25, max_viewe
 # %% ../nbs/10b_web.ipynb
 def main(argv=None):
     "`python -m llm_engine.web`: the OpenAI server with the page mounted (the tests start it this way)."
-    import argparse, uvicorn
+    import argparse
     from llm_engine.cli import add_config_args, config_kw
     from llm_engine.config import EngineConfig, CacheConfig, SchedulerConfig
     from llm_engine.api import build_app
@@ -238,7 +239,15 @@ def main(argv=None):
     aeng = AsyncLLMEngine(EngineConfig.create(**kw)).start()
     app = mount_web(build_app(aeng, api_key=a.api_key), page=not a.no_web_ui)
     print(f"llm_engine: the page is on http://{a.host}:{a.port}/", flush=True)
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
+    _WebServer(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=10)).run()
+
+import uvicorn
+
+class _WebServer(uvicorn.Server):
+    "Ends the open state streams first when asked to stop, then shuts down as usual."
+    async def shutdown(self, sockets=None):
+        self.config.app.state.web_hub.closing = True
+        await super().shutdown(sockets)
 
 # %% ../nbs/10b_web.ipynb
 #| eval: false

@@ -125,6 +125,7 @@ async function watch() {
   controller?.abort();
   const mine = (controller = new AbortController());
   const status = $("state-status");
+  let pause = 2000;
   while (controller === mine) {
     try {
       const r = await api("/v1/debug/state", { signal: mine.signal });
@@ -136,11 +137,13 @@ async function watch() {
         if (f.error) { status.textContent = f.error; continue; }
         draw(f);
       }
+      pause = 250;                  // the server ended the stream (it may be stopping): ask again soon
     } catch (e) {
       if (e.name === "AbortError") return;
       status.textContent = `engine view: ${e.message}; retrying`;
+      pause = 2000;
     }
-    await new Promise((ok) => setTimeout(ok, 2000));
+    await new Promise((ok) => setTimeout(ok, pause));
   }
 }
 
