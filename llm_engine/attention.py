@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import llm_engine
-from .config import cache_root, read_cpu_flags
+from .config import cache_root, CPU_ISA
 
 # %% auto 0
 __all__ = ['DECODE_KERNEL_PATH', 'DECODE_KERNEL_SRC', 'KERNEL_DTYPES', 'plot_block_tables', 'AttentionMetadata', 'store_kv',
@@ -139,16 +139,13 @@ def decode_attention(q, k_cache, v_cache, block_tables, mask, scale):
 DECODE_KERNEL_PATH = Path(llm_engine.__file__).parent / "csrc" / "paged_decode.cpp"   # shipped as package data
 DECODE_KERNEL_SRC = DECODE_KERNEL_PATH.read_text()
 
-def _cpu_flags() -> str:
-    "The CPU's feature flags (Linux), part of the kernel's cache key since it is compiled with -march=native."
-    return " ".join(sorted(read_cpu_flags())) or platform.processor()
-
 @cache
 def build_cpu_kernel(stem: str, src: str) -> str|None:
-    "Compile C++ source `src` (once per machine and source; the library is cached) and load its ops; `None` if loaded, else why not."
+    "Compile C++ source `src` for the ISA in force (00: `CPU_ISA`, once per ISA and source: the library is cached) and load its ops; `None` if loaded, else why not."
     from torch.utils.cpp_extension import load_inline
-    key = hashlib.sha256(f"{src}{torch.__version__}{_cpu_flags()}".encode()).hexdigest()[:12]
-    name = f"{stem}_{key}"
+    flags = CPU_ISA.cflags()
+    key = hashlib.sha256(f"{src}{torch.__version__}{flags}{platform.machine()}".encode()).hexdigest()[:12]
+    name = f"{stem}_{CPU_ISA.name}_{key}"
     so = cache_root() / "kernels" / f"{name}.so"
     try:
         if so.exists(): torch.ops.load_library(str(so))
@@ -158,7 +155,7 @@ def build_cpu_kernel(stem: str, src: str) -> str|None:
             # build rather than wait on a lock file that a killed build could leave behind
             with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
                 load_inline(name, cpp_sources=src, is_python_module=False, build_directory=tmp,
-                            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"])
+                            extra_cflags=flags)
                 os.replace(Path(tmp) / f"{name}.so", so)
     except Exception as e: return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
     return None

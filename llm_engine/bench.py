@@ -259,7 +259,7 @@ def make_text_workload(n=32, words=(20, 150), max_tokens=64, seed=0) -> list[Tex
     return [TextRequest(" ".join(rng.choices(WORDS, k=rng.randint(*words))).capitalize() + ".", max_tokens) for _ in range(n)]
 
 # %% ../nbs/12_benchmarks.ipynb
-from .config import cache_root, read_cpu_flags
+from .config import cache_root, read_cpu_flags, CPU_ISA, resolve_isa
 from .model import default_gguf_path
 
 @dataclass
@@ -322,11 +322,14 @@ def run_offline_peer(peer: Peer, reqs, timeout=1800) -> dict:
 
 # %% ../nbs/12_benchmarks.ipynb
 def _llama_cpp_peers(d: Path, threads, n, ctx) -> list[Peer]:
-    server, out = d / "llama.cpp/build/bin/llama-server", []
+    # under LLM_ENGINE_ISA=avx2, llama.cpp's own AVX2-only build (tools/setup_peers.sh) where there is one: the same ISA on both sides
+    avx2 = d / "llama.cpp/build-avx2/bin/llama-server"
+    server, out = avx2 if CPU_ISA.name == "avx2" and avx2.exists() else d / "llama.cpp/build/bin/llama-server", []
     for name, model, note in (("llama.cpp F32", d / "models/smollm2-f32.gguf", "F32 GGUF of the same weights; f16 KV cache (its default)"),
                               ("llama.cpp Q4_1", default_gguf_path(), "the Q4_1 GGUF the weights come from")):
         cmd = [str(server), "-m", str(model), "--host", "127.0.0.1", "--port", "{port}", "-t", str(threads), "-tb", str(threads),
                "--parallel", str(n), "-c", str(n * ctx)]     # n slots of ctx tokens each
+        note += "; llama.cpp built for AVX2 alone" if server == avx2 else ""
         out.append(Peer(name, "http", cmd, str(model), note, reason=_missing(server, model) or _probe([server, "--version"])))
     return out
 
@@ -423,7 +426,8 @@ def _machine() -> str:
     flags = read_cpu_flags()
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
     model = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.machine()) if flags else platform.machine()
-    return f"{model}, {os.cpu_count()} cores ({' '.join(isa)}), torch {torch.__version__}"
+    forced = f"forced by LLM_ENGINE_ISA from {resolve_isa('auto').name}" if CPU_ISA.forced else "detected"
+    return f"{model}, {os.cpu_count()} cores ({' '.join(isa)}), kernels {CPU_ISA.name} ({forced}), torch {torch.__version__}"
 
 # llm_engine's own rows: (name, engine options, note); ratios in the table are against the first (fp32, the baseline)
 OURS = (("llm_engine", dict(dtype="float32", scheduling_policy="sjf"), "fp32, shortest prompt first"),

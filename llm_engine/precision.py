@@ -4,7 +4,7 @@
 
 # %% ../nbs/05b_precision.ipynb 3
 from __future__ import annotations
-import time
+import time, warnings
 from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
@@ -12,13 +12,15 @@ from pathlib import Path
 from torch import nn
 import llm_engine
 from .attention import AttentionMetadata, build_cpu_kernel, load_decode_kernel
+from .config import CPU_ISA
 from .rope import RotaryEmbedding
 
 # %% auto 0
-__all__ = ['STEP_KERNELS_SRC', 'Q4_GROUP', 'Q4_BYTES', 'W8A8_ALPHA', 'CALIBRATION_CHAT', 'QUANTIZERS', 'load_step_kernels',
-           'WeightOnlyLinear', 'int8_rows', 'Int8Linear', 'quantize_q4', 'dequantize_q4', 'Q4Linear', 'forward_logits',
-           'calibration_ids', 'activation_ranges', 'W8A8Linear', 'quantize_linears', 'FusedDecode', 'fuse_decode',
-           'Agreement', 'compare_logits', 'best_of', 'weight_bytes_per_token']
+__all__ = ['STEP_KERNELS_SRC', 'NO_SCALES', 'Q4_GROUP', 'Q4_BYTES', 'W8A8_ALPHA', 'CALIBRATION_CHAT', 'QUANTIZERS',
+           'load_step_kernels', 'widen_buffer', 'WeightOnlyLinear', 'int8_rows', 'Int8Linear', 'Bf16Linear',
+           'quantize_q4', 'dequantize_q4', 'Q4Linear', 'forward_logits', 'calibration_ids', 'activation_ranges',
+           'W8A8Linear', 'quantize_linears', 'FusedDecode', 'widen_bf16_linears', 'fuse_decode', 'Agreement',
+           'compare_logits', 'best_of', 'weight_bytes_per_token']
 
 # %% ../nbs/05b_precision.ipynb
 STEP_KERNELS_SRC = (Path(llm_engine.__file__).parent / "csrc" / "decode_step.cpp").read_text()
@@ -27,9 +29,21 @@ def load_step_kernels() -> str|None:
     "Our decode-step kernels (`csrc/decode_step.cpp`: the int8 matmul, the fused small ops and layer): `None` if loaded, else why not."
     return build_cpu_kernel("llm_engine_decode_step", STEP_KERNELS_SRC)
 
+_WIDE = [torch.empty(0)]
+
+def widen_buffer(n: int) -> torch.Tensor:
+    "A shared fp32 buffer of `n` elements: one per process, grown to the largest weight widened so far (the forward runs on one thread)."
+    if _WIDE[0].numel() < n: _WIDE[0] = torch.empty(n)
+    return _WIDE[0][:n]
+
+NO_SCALES = torch.empty(0)
+
 class WeightOnlyLinear(nn.Module):
     "A linear layer whose weight is stored in fewer bits and widened to fp32 inside the matmul; subclasses say how."
-    small_batch = 4     # rows up to which our kernels beat oneDNN's bf16 matmul on the dequantized weight (measured above)
+    # rows up to which our kernels win (measured above): against oneDNN's bf16 matmul where the CPU multiplies bf16,
+    # against an fp32 matmul on the weight widened per call where it does not (AVX2)
+    small_batch = 4 if CPU_ISA.bf16 else 64
+    widen_large = not CPU_ISA.bf16     # large batches: fp32 matmul on the weight widened per call, not a bf16 copy
     def __init__(self, lin: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
@@ -38,6 +52,7 @@ class WeightOnlyLinear(nn.Module):
         self.packed = None                           # the dequantized bf16 weight for large batches, made on first use
     def few_rows(self, x2): "`x2 @ W.T` for a decode step's few rows, or None to take the large-batch path."
     def dequantized(self) -> torch.Tensor: "The fp32 weight `[out, in]` the stored one stands for."
+    def dequantize_into(self, out: torch.Tensor): "Write `dequantized()` into `out` (subclasses: without temporaries)."; out.copy_(self.dequantized())
     def forward(self, x):
         lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features)
         y = self.few_rows(x2) if x.device.type == "cpu" and x2.shape[0] <= self.small_batch else None
@@ -45,7 +60,11 @@ class WeightOnlyLinear(nn.Module):
         if self.bias is not None: y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features).to(x.dtype)
     def large_batch(self, x2):
-        "Large batches are compute-bound: a bf16 matmul on the dequantized weight, made once."
+        "Large batches are compute-bound: a bf16 matmul on the dequantized weight made once, or without bf16 arithmetic an fp32 one on it widened per call."
+        if x2.device.type == "cpu" and self.widen_large:     # no second copy of the weights: one shared buffer
+            w = widen_buffer(self.out_features * self.in_features).view(self.out_features, self.in_features)
+            self.dequantize_into(w)
+            return F.linear(x2.float(), w)
         onednn = x2.device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         if self.packed is None:     # packed for oneDNN where it has bf16, else kept plain for F.linear
             w = self.dequantized().to(x2.device, torch.bfloat16)
@@ -71,6 +90,16 @@ class Int8Linear(WeightOnlyLinear):
         if self.kernel: return torch.ops.llm_engine.int8_linear(x2, self.weight, self.scales)
         return torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.weight, self.scales.to(torch.bfloat16))
     def dequantized(self): return self.weight.float() * self.scales.float()[:, None]
+    def dequantize_into(self, out): torch.mul(self.weight, self.scales.float()[:, None], out=out)
+
+class Bf16Linear(WeightOnlyLinear):
+    "bf16 weights on a CPU without bf16 arithmetic (AVX2): widened to fp32 in our kernel for a few rows, per call for more."
+    def __init__(self, lin: nn.Linear):
+        super().__init__(lin)
+        self.register_buffer("weight", lin.weight.detach().to(torch.bfloat16))   # the same tensor when already bf16: a tied lm_head stays one copy
+    def few_rows(self, x2): return torch.ops.llm_engine.int8_linear(x2, self.weight, NO_SCALES) if self.kernel else None
+    def dequantized(self): return self.weight.float()
+    def dequantize_into(self, out): out.copy_(self.weight)
 
 
 # %% ../nbs/05b_precision.ipynb
@@ -103,6 +132,9 @@ class Q4Linear(WeightOnlyLinear):
         self.register_buffer("weight", quantize_q4(lin.weight))
     def few_rows(self, x2): return torch.ops.llm_engine.q4_linear(x2, self.weight) if self.kernel else None
     def dequantized(self): return dequantize_q4(self.weight)
+    def dequantize_into(self, out):
+        if self.kernel: torch.ops.llm_engine.q4_dequantize(self.weight, out)
+        else: out.copy_(self.dequantized())
 
 # %% ../nbs/05b_precision.ipynb
 def forward_logits(model, ids: list[int], block_size: int = 16) -> torch.Tensor:
@@ -159,6 +191,10 @@ class W8A8Linear(Int8Linear):
         self.register_buffer("smooth_weight", q.t())       # [in, out]: the layout `_int_mm` takes, a view of the rows
         self.register_buffer("smooth_scales", scales)
         self.none = torch.empty(0)
+        # without VNNI (AVX2, older AVX-512) 8-bit multiply-adds sum u8 x s8 pairs in 16 bits and saturate: activations
+        # keep 7 bits there (|q| <= 63, stored as q + 64), which makes oneDNN's product exact again; `_int_mm` has no such
+        # form, so where oneDNN is missing such a CPU takes int8's weight-only path
+        self.qmax = 127 if CPU_ISA.vnni else 63
         # the weight packed for oneDNN's u8 x s8 matmul, with its scales: made here, since nearly every prompt is a large
         # batch (packing all of SmolLM2's took 0.6 s, which the first request would otherwise wait for)
         self.onednn = self._pack() if self.kernel else False
@@ -170,12 +206,14 @@ class W8A8Linear(Int8Linear):
         except (AttributeError, RuntimeError): return False
     def large_batch(self, x2):
         if x2.device.type != "cpu": return super().large_batch(x2)    # our quantizing kernels are CPU code
+        if self.kernel and self.onednn:   # uint8 rows (q + zp, the zero point oneDNN subtracts again), fp32 out with the weights' scales
+            zp = self.qmax + 1
+            xq, a = torch.ops.llm_engine.quantize_rows(x2, self.smooth, zp, self.qmax)
+            y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, zp, self.onednn[0], self.onednn[1], self.onednn[2], None, 1.0, 0,
+                                                   torch.float32, "none", [], "")
+            return torch.ops.llm_engine.dequantize_rows(y, a, self.none, x2.dtype)
+        if self.qmax < 127: return super().large_batch(x2)    # no exact int8 product here: weight-only int8
         if self.kernel:
-            if self.onednn:     # uint8 rows (q + 128, the zero point oneDNN subtracts again), fp32 out with the weights' scales
-                xq, a = torch.ops.llm_engine.quantize_rows(x2, self.smooth, 128)
-                y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 128, self.onednn[0], self.onednn[1], self.onednn[2], None, 1.0, 0,
-                                                       torch.float32, "none", [], "")
-                return torch.ops.llm_engine.dequantize_rows(y, a, self.none, x2.dtype)
             xq, a = torch.ops.llm_engine.quantize_rows(x2, self.smooth)
             return torch.ops.llm_engine.dequantize_rows(torch._int_mm(xq, self.smooth_weight), a, self.smooth_scales, x2.dtype)
         xs = x2.float() / self.smooth.float()          # the same steps in torch, where no compiler is found
@@ -245,15 +283,30 @@ class FusedDecode:
             x = down(ops.silu_mul(gate_up(h)))
         return x, residual
 
+def widen_bf16_linears(model: nn.Module) -> nn.Module:
+    "On a CPU without bf16 arithmetic, every bf16 `nn.Linear` becomes a `Bf16Linear` (our kernels widen its weights)."
+    if CPU_ISA.bf16 or load_step_kernels() is not None: return model
+    for mod in list(model.modules()):
+        for name, child in list(mod.named_children()):
+            if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu":
+                setattr(mod, name, Bf16Linear(child))
+    return model
+
 def fuse_decode(model) -> bool:
     "Install `FusedDecode` as `model.decode_step` for a CPU model with bf16 activations or quantized weights; True if installed."
+    widen_bf16_linears(model)     # first: where the CPU has no bf16 arithmetic, the bf16 linears become our kernels' too
     w, lins = model.embed_tokens.weight, [q for l in model.layers for q in FusedDecode._lins(l)]
     quantized = all(isinstance(q, WeightOnlyLinear) for q in lins)     # their kernel and bias are the checks below
-    ok = (w.device.type == "cpu" and all(type(q) in (nn.Linear, Int8Linear, Q4Linear, W8A8Linear) and q.bias is None for q in lins)
+    ok = (w.device.type == "cpu" and all(type(q) in (nn.Linear, Int8Linear, Q4Linear, W8A8Linear, Bf16Linear) and q.bias is None for q in lins)
           and (w.dtype == torch.bfloat16 or (w.dtype == torch.float32 and quantized))
           and load_step_kernels() is None)    # fp32 without int8 (the exact path the parity tests hold) keeps the layer loop
-    model.decode_step = FusedDecode(model) if ok else None
-    return ok
+    # the one-call layer is Llama's layer: a family that differs (q/k norms, sandwich norms, GeGLU, windows: 05c) keeps the loop
+    differs = model.config.llama_differences()
+    if ok and differs:
+        warnings.warn(f"llm_engine: {model.config.model_type}: the fused decode step is Llama's layer and this family differs "
+                      f"({', '.join(differs)}); decode steps take the layer loop")
+    model.decode_step = FusedDecode(model) if ok and not differs else None
+    return model.decode_step is not None
 
 # %% ../nbs/05b_precision.ipynb
 @dataclass

@@ -13,11 +13,17 @@
 #include <algorithm>
 #include <cstring>
 #include <cmath>
+#include <string>
 #include <tuple>
 #include <vector>
 #include <ATen/core/dispatch/Dispatcher.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+// The ISA is fixed when the file is compiled (notebook 00's CPU_ISA: -march=x86-64-v4 or -v3): AVX-512 paths where
+// __AVX512F__, AVX2 + FMA + F16C paths where only those, the portable loops everywhere (and as the tests' reference)
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LLM_AVX2 1
 #endif
 
 constexpr int RB = 4;   // rows of x per pass: U * RB accumulators stay in registers
@@ -84,11 +90,69 @@ static void block_avx512(const float* x, int64_t M, int64_t K, const W* w, const
 }
 #endif
 
+#if defined(LLM_AVX2)
+// The same for AVX2: 8 lanes and 16 registers, so R = 3 or 4 rows of x keep two chains over k (8 accumulators)
+// and fewer rows keep four
+static inline __m256 widen8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+static inline __m256 widen8(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+static inline float hsum8(__m256 v) {
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+template <int R, typename W>
+static void row_avx2(const float* x, int64_t K, const W* wr, float s, float* y, int64_t N) {
+  constexpr int V = R <= 2 ? 4 : 2;
+  __m256 acc[V][R];
+  for (int u = 0; u < V; ++u) for (int r = 0; r < R; ++r) acc[u][r] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 * V <= K; k += 8 * V)
+    for (int u = 0; u < V; ++u) {
+      const __m256 wv = widen8(wr + k + 8 * u);
+      for (int r = 0; r < R; ++r) acc[u][r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * K + k + 8 * u), acc[u][r]);
+    }
+  for (; k < K; k += 8) {
+    const __m256 wv = widen8(wr + k);
+    for (int r = 0; r < R; ++r) acc[0][r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * K + k), acc[0][r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256 t = acc[0][r];
+    for (int u = 1; u < V; ++u) t = _mm256_add_ps(t, acc[u][r]);
+    y[r * N] = hsum8(t) * s;
+  }
+}
+
+template <typename W>
+static void block_avx2(const float* x, int64_t M, int64_t K, const W* w, const float* sc, float* y,
+                       int64_t N, int64_t n0, int64_t n1) {
+  static void (*const rows[RB + 1])(const float*, int64_t, const W*, float, float*, int64_t) =
+      {nullptr, row_avx2<1, W>, row_avx2<2, W>, row_avx2<3, W>, row_avx2<4, W>};
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; m += RB)
+      rows[std::min<int64_t>(RB, M - m)](x + m * K, K, w + n * K, sc ? sc[n] : 1.f, y + m * N + n, N);
+}
+#endif
+
 static bool has_vector_path() {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(LLM_AVX2)
   return true;
 #else
   return false;
+#endif
+}
+
+// the vector path this library was built with, for the tests and the logs
+static std::string kernel_isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(LLM_AVX2)
+  return "avx2";
+#else
+  return "generic";
 #endif
 }
 
@@ -101,21 +165,27 @@ static void matmul_into(const float* xp, int64_t M, int64_t K, const W* wp, cons
   at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
 #if defined(__AVX512F__)
     if (vec) { block_avx512(xp, M, K, wp, sp, yp, N, n0, n1); return; }
+#elif defined(LLM_AVX2)
+    if (vec) { block_avx2(xp, M, K, wp, sp, yp, N, n0, n1); return; }
 #endif
     block_generic(xp, M, K, wp, sp, yp, N, n0, n1);
   });
 }
 
-// x [M, K] fp32 or bf16, w [N, K] int8, scales [N] -> [M, N] in x's dtype (the arithmetic is fp32).
-// generic: use the portable loop even where AVX-512 is compiled in
+// x [M, K] fp32 or bf16, w [N, K] int8 with scales [N], or bf16 / fp32 with no scales -> [M, N] in x's dtype (the
+// arithmetic is fp32). generic: use the portable loop even where a vector path is compiled in
 at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& w_, const at::Tensor& scales_, bool generic) {
   TORCH_CHECK(x_.dim() == 2 && w_.dim() == 2 && x_.size(1) == w_.size(1), "int8_linear: x [M, K] and w [N, K] must share K");
-  TORCH_CHECK(w_.scalar_type() == at::kChar, "int8_linear: w must be int8");
-  TORCH_CHECK(scales_.numel() == w_.size(0), "int8_linear: one scale per output channel");
+  const auto wt = w_.scalar_type();
+  TORCH_CHECK(wt == at::kChar || wt == at::kBFloat16 || wt == at::kFloat, "int8_linear: w must be int8, bf16 or fp32");
+  TORCH_CHECK(wt == at::kChar ? scales_.numel() == w_.size(0) : scales_.numel() == 0, "int8_linear: one scale per output channel for int8, none otherwise");
   const at::Tensor x = x_.to(at::kFloat).contiguous(), w = w_.contiguous(), sc = scales_.to(at::kFloat).contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
-  matmul_into(x.data_ptr<float>(), M, K, w.data_ptr<int8_t>(), sc.data_ptr<float>(), y.data_ptr<float>(), N, generic);
+  float *xp = x.data_ptr<float>(), *yp = y.data_ptr<float>();
+  if (wt == at::kChar) matmul_into(xp, M, K, w.data_ptr<int8_t>(), sc.data_ptr<float>(), yp, N, generic);
+  else if (wt == at::kBFloat16) matmul_into(xp, M, K, w.data_ptr<at::BFloat16>(), (const float*)nullptr, yp, N, generic);
+  else matmul_into(xp, M, K, w.data_ptr<float>(), (const float*)nullptr, yp, N, generic);
   return x_.scalar_type() == at::kFloat ? y : y.to(x_.scalar_type());
 }
 
@@ -187,12 +257,84 @@ static void block_q4_avx512(const float* x, int64_t M, int64_t K, const uint8_t*
 }
 #endif
 
+#if defined(LLM_AVX2)
+// AVX2 has no 16-entry table lookup in one register (vpermps reads 3 bits), so the nibbles are widened to fp32 and
+// d q + m is one fused multiply-add: the same single rounding as the AVX-512 table, so the same fp32 weights.
+// A pair of blocks is two 16-byte halves (weights j = 8h..8h+7 of both blocks); V chains over the four weight groups
+template <int R>
+static void row_q4_avx2(const float* x, int64_t K, const uint8_t* wr, float* y, int64_t N, float* dm) {
+  constexpr int V = R <= 2 ? 4 : 2;
+  const int64_t G = K / Q4_GROUP;
+  int64_t i = 0;
+  for (; i + 8 <= 2 * G; i += 8) _mm256_storeu_ps(dm + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wr + 2 * i))));
+  for (; i < 2 * G; ++i) dm[i] = half_bits(wr + 2 * i);
+  const uint8_t* qs = wr + 4 * G;
+  const __m256i low4 = _mm256_set1_epi32(15);
+  __m256 acc[V][R];
+  for (int u = 0; u < V; ++u) for (int r = 0; r < R; ++r) acc[u][r] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < G / 2; ++p) {
+    _mm_prefetch((const char*)(qs + 32 * p + Q4_PREFETCH), _MM_HINT_T0);
+    const __m256 dA = _mm256_set1_ps(dm[4 * p]), mA = _mm256_set1_ps(dm[4 * p + 1]);
+    const __m256 dB = _mm256_set1_ps(dm[4 * p + 2]), mB = _mm256_set1_ps(dm[4 * p + 3]);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(qs + 32 * p + 16 * h)));
+      const __m256 w[4] = {_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low4)), dA, mA),
+                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4), low4)), dA, mA),
+                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8), low4)), dB, mB),
+                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 12)), dB, mB)};
+      for (int r = 0; r < R; ++r)
+        for (int u = 0; u < 4; ++u) {
+          __m256& a = acc[(u + 2 * h) % V][r];
+          a = _mm256_fmadd_ps(w[u], _mm256_loadu_ps(x + r * K + 64 * p + 16 * u + 8 * h), a);
+        }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256 t = acc[0][r];
+    for (int u = 1; u < V; ++u) t = _mm256_add_ps(t, acc[u][r]);
+    y[r * N] = hsum8(t);
+  }
+}
+
+static void block_q4_avx2(const float* x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
+  static void (*const rows[RB + 1])(const float*, int64_t, const uint8_t*, float*, int64_t, float*) =
+      {nullptr, row_q4_avx2<1>, row_q4_avx2<2>, row_q4_avx2<3>, row_q4_avx2<4>};
+  thread_local std::vector<float> dm;
+  dm.resize(2 * K / Q4_GROUP);
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; m += RB)
+      rows[std::min<int64_t>(RB, M - m)](x + m * K, K, w + n * K / Q4_GROUP * Q4_BYTES, y + m * N + n, N, dm.data());
+}
+#endif
+
 static void matmul_q4_into(const float* xp, int64_t M, int64_t K, const uint8_t* wp, float* yp, int64_t N, bool generic) {
   at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
 #if defined(__AVX512F__)
     if (!generic) { block_q4_avx512(xp, M, K, wp, yp, N, n0, n1); return; }
+#elif defined(LLM_AVX2)
+    if (!generic) { block_q4_avx2(xp, M, K, wp, yp, N, n0, n1); return; }
 #endif
     block_q4_generic(xp, M, K, wp, yp, N, n0, n1);
+  });
+}
+
+// the fp32 weights [N, K] that Q4 rows w stand for (d q + m, one rounding), written into out: a large batch's matmul
+// reads them from there (a buffer reused across layers, not a second copy of the model)
+void q4_dequantize(const at::Tensor& w_, at::Tensor out) {
+  const at::Tensor w = w_.contiguous();
+  const int64_t N = w.size(0), G = w.size(1) / Q4_BYTES, K = G * Q4_GROUP;
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.size(1) % Q4_BYTES == 0 && G % 2 == 0, "q4_dequantize: Q4 rows [N, K / 32 * 20]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == N * K, "q4_dequantize: out fp32 [N, K], contiguous");
+  const uint8_t* wp = w.data_ptr<uint8_t>(); float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t *row = wp + n * G * Q4_BYTES, *qs = row + 4 * G;
+      for (int64_t g = 0; g < G; ++g) {
+        const float d = half_bits(row + 4 * g), mn = half_bits(row + 4 * g + 2);
+        const uint8_t* b = qs + 32 * (g / 2) + g % 2; float* o = op + n * K + g * Q4_GROUP;
+        for (int j = 0; j < 16; ++j) { o[j] = std::fma(d, (float)(b[2 * j] & 15), mn); o[j + 16] = std::fma(d, (float)(b[2 * j] >> 4), mn); }
+      }
+    }
   });
 }
 
@@ -394,21 +536,23 @@ at::Tensor silu_mul(const at::Tensor& gu_) {
 }
 
 // ---- int8 activations for large batches (w8a8, notebook 05b) ----
-// Row m of x, divided by the smoothing factors s, becomes int8 q with one scale a[m] = max|x/s| / 127. A row with
+// Row m of x, divided by the smoothing factors s, becomes int8 q with one scale a[m] = max|x/s| / qmax (qmax 127, or
+// 63 where the CPU has no VNNI: its 8-bit multiply-adds sum pairs of u8 x s8 products in 16 bits, which saturate
+// unless the unsigned side stays below 128). A row with
 // a non-finite value gets a NaN scale and zeros, so the NaN reaches the output as it would in fp32 (the sum
 // carries it: -ffast-math may drop a NaN from the max).
 template <typename T, typename S, typename Q>
-static void quantize_row(const T* x, const S* s, int64_t K, Q* q, float* a, int zero) {
+static void quantize_row(const T* x, const S* s, int64_t K, Q* q, float* a, int zero, float qmax) {
   float amax = 0.f, sum = 0.f;
   for (int64_t k = 0; k < K; ++k) {
     const float v = std::fabs(static_cast<float>(x[k]) / static_cast<float>(s[k])); amax = std::max(amax, v); sum += v;
   }
   uint32_t bits; std::memcpy(&bits, &sum, 4);
   if ((bits & 0x7f800000u) == 0x7f800000u) { std::fill(q, q + K, static_cast<Q>(zero)); const uint32_t nan = 0x7fc00000u; std::memcpy(a, &nan, 4); return; }
-  const float scale = std::max(amax, 1e-30f) / 127.f;
+  const float scale = std::max(amax, 1e-30f) / qmax;
   for (int64_t k = 0; k < K; ++k) {
     const float v = static_cast<float>(x[k]) / static_cast<float>(s[k]) / scale;
-    q[k] = static_cast<Q>(static_cast<int>(std::max(-127.f, std::min(127.f, std::nearbyint(v)))) + zero);
+    q[k] = static_cast<Q>(static_cast<int>(std::max(-qmax, std::min(qmax, std::nearbyint(v)))) + zero);
   }
   *a = scale;
 }
@@ -418,11 +562,12 @@ static void quantize_row(const T* x, const S* s, int64_t K, Q* q, float* a, int 
   if ((t).scalar_type() == at::kFloat) { using S = float; __VA_ARGS__(); } \
   else { TORCH_CHECK((t).scalar_type() == at::kBFloat16, "scales: fp32 or bf16"); using S = at::BFloat16; __VA_ARGS__(); }
 
-// q: int8, or with `zero_point` 128 uint8 (q + 128), the form oneDNN's u8 x s8 matmul takes
-std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_, const at::Tensor& s_, int64_t zero_point) {
+// q: int8, or with `zero_point` 128 (or 64, for qmax 63) uint8 (q + zero_point), the form oneDNN's u8 x s8 matmul takes
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_, const at::Tensor& s_, int64_t zero_point, int64_t qmax) {
   const at::Tensor x = x_.contiguous(), s = s_.contiguous();
   TORCH_CHECK(x.dim() == 2 && s.numel() == x.size(1), "quantize_rows: x [M, K] and one smoothing factor per column");
-  TORCH_CHECK(zero_point == 0 || zero_point == 128, "quantize_rows: zero_point 0 (int8) or 128 (uint8)");
+  TORCH_CHECK(qmax >= 1 && qmax <= 127 && (zero_point == 0 || (zero_point > qmax && zero_point + qmax <= 255)),
+              "quantize_rows: qmax in 1..127, zero_point 0 (int8) or a uint8 offset that keeps q + zero_point in 0..255");
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor q = at::empty({M, K}, x.options().dtype(zero_point ? at::kByte : at::kChar)), a = at::empty({M, 1}, x.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quantize_rows", [&] {
@@ -430,8 +575,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_, const at:
       const scalar_t* xp = x.data_ptr<scalar_t>(); const S* sp = s.data_ptr<S>(); float* ap = a.data_ptr<float>();
       at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
         for (int64_t m = m0; m < m1; ++m) {
-          if (zero_point) quantize_row(xp + m * K, sp, K, q.data_ptr<uint8_t>() + m * K, ap + m, 128);
-          else quantize_row(xp + m * K, sp, K, q.data_ptr<int8_t>() + m * K, ap + m, 0);
+          if (zero_point) quantize_row(xp + m * K, sp, K, q.data_ptr<uint8_t>() + m * K, ap + m, (int)zero_point, (float)qmax);
+          else quantize_row(xp + m * K, sp, K, q.data_ptr<int8_t>() + m * K, ap + m, 0, (float)qmax);
         }
       });
     });
@@ -486,16 +631,19 @@ at::Tensor argmax_rows(const at::Tensor& x_) {
 }
 
 bool int8_linear_vectorized() { return has_vector_path(); }
+std::string step_kernels_isa() { return kernel_isa(); }
 
 TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, bool generic=False) -> Tensor");
   m.def("int8_linear_vectorized() -> bool", &int8_linear_vectorized);
+  m.def("step_kernels_isa() -> str", &step_kernels_isa);
   m.def("q4_linear(Tensor x, Tensor w, bool generic=False) -> Tensor");
+  m.def("q4_dequantize(Tensor w, Tensor(a!) out) -> ()");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, int nh, int nkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
-  m.def("quantize_rows(Tensor x, Tensor smooth, int zero_point=0) -> (Tensor, Tensor)");
+  m.def("quantize_rows(Tensor x, Tensor smooth, int zero_point=0, int qmax=127) -> (Tensor, Tensor)");
   m.def("dequantize_rows(Tensor acc, Tensor row_scales, Tensor col_scales, ScalarType dtype) -> Tensor");
   m.def("decode_layers(Tensor x, Tensor residual, Tensor[] ln1, Tensor[] ln2, float eps, Tensor[] wqkv, Tensor[] sqkv, "
         "Tensor[] wo, Tensor[] so, Tensor[] wgu, Tensor[] sgu, Tensor[] wd, Tensor[] sd, Tensor cos, Tensor sin, int nh, int nkv, "
@@ -504,6 +652,7 @@ TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
 TORCH_LIBRARY_IMPL(llm_engine, CPU, m) {
   m.impl("int8_linear", int8_linear);
   m.impl("q4_linear", q4_linear);
+  m.impl("q4_dequantize", q4_dequantize);
   m.impl("decode_layers", decode_layers);
   m.impl("add_rms_norm", add_rms_norm_op);
   m.impl("rope_store", rope_store);
