@@ -21,7 +21,7 @@ from fastcore.basics import patch
 __all__ = ['MAX_LISTED', 'MAX_CELLS', 'RATE_WINDOW', 'LATENCY_WINDOW', 'LATENCY_FIELDS', 'log', 'state_router', 'STATIC', 'CSP',
            'SECURITY_HEADERS', 'page_router', 'SeqView', 'seq_view', 'RawState', 'copy_state', 'block_cells',
            'recent_rows', 'recent_rates', 'build_frame', 'StateHub', 'debug_state', 'SecurityHeaders', 'page',
-           'mount_web', 'main']
+           'mount_web', 'main', 'state_stream_cost']
 
 # %% ../nbs/10b_web.ipynb
 @dataclass
@@ -252,3 +252,45 @@ class _WebServer(uvicorn.Server):
 # %% ../nbs/10b_web.ipynb
 #| eval: false
 if __name__ == "__main__": main()
+
+# %% ../nbs/10b_web.ipynb
+def _chat_load(base, clients, seconds, headers, max_tokens) -> float:
+    "Tokens per second generated while `clients` threads stream chat answers back to back for `seconds`."
+    import httpx
+    stop = time.time() + seconds
+    def client(i):
+        body = {"messages": [{"role": "user", "content": f"Count from {i} upwards."}], "max_tokens": max_tokens,
+                "ignore_eos": True, "stream": True}
+        while time.time() < stop:
+            with httpx.stream("POST", base + "/v1/chat/completions", json=body, headers=headers, timeout=600) as r:
+                for _ in r.iter_lines(): pass
+    tokens = lambda: httpx.get(base + "/v1/stats", headers=headers).json()["tokens_generated"]
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads: t.start()
+    time.sleep(min(5.0, seconds / 4))                # every client admitted before the count starts
+    t0, n0 = time.time(), tokens()
+    while time.time() < stop: time.sleep(0.1)
+    rate = (tokens() - n0) / (time.time() - t0)
+    for t in threads: t.join()
+    return rate
+
+# %% ../nbs/10b_web.ipynb
+def state_stream_cost(base, clients=32, seconds=30.0, viewers=1, max_tokens=128, api_key=None) -> dict:
+    "Throughput with `clients` streaming clients without and with `viewers` state streams open, and the lock share of the frames."
+    import httpx
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    off = _chat_load(base, clients, seconds, headers, max_tokens)
+    held, done = [], threading.Event()
+    def viewer():
+        with httpx.stream("GET", base + "/v1/debug/state", headers=headers, timeout=None) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "): held.append((time.time(), json.loads(line[6:]).get("lock_held_s", 0.0)))
+                if done.is_set(): return
+    vs = [threading.Thread(target=viewer, daemon=True) for _ in range(viewers)]
+    for v in vs: v.start()
+    on = _chat_load(base, clients, seconds, headers, max_tokens)
+    done.set()
+    for v in vs: v.join(timeout=5)
+    (t0, h0), (t1, h1) = held[0], held[-1]
+    return dict(clients=clients, viewers=viewers, tok_s_off=round(off, 1), tok_s_on=round(on, 1),
+                throughput_cost=round(1 - on / off, 4), lock_share=round((h1 - h0) / (t1 - t0), 5))

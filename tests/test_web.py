@@ -64,7 +64,7 @@ def shot(d, name):
 def open_page(d, srv):
     d.get("about:blank"); d.get_log("browser")       # the last test's page (its server gone) says nothing more here
     d.get(srv.base + "/")
-    wait_for(lambda: text(d, "state-status") == "live", "the state stream")
+    wait_for(lambda: text(d, "state-status").startswith("live"), "the state stream")
     wait_for(lambda: "blocks used" in text(d, "blocks-caption"), "the first frame")
 
 def set_field(d, i, value):
@@ -198,7 +198,7 @@ def test_api_key_typed_once(browser, tiny):
         wait_for(lambda: text(browser, "key-status") == "this server needs an API key", "the page asking for the key")
         assert "needs the API key" in text(browser, "state-status")
         by_id(browser, "api-key").send_keys("sesame"); by_id(browser, "key-use").click()
-        wait_for(lambda: text(browser, "state-status") == "live", "the state stream with the key")
+        wait_for(lambda: text(browser, "state-status").startswith("live"), "the state stream with the key")
         assert browser.execute_script("return sessionStorage.getItem('llm_engine_api_key')") == "sesame"
         browser.refresh()                                     # kept for the tab: not typed again
         open_page(browser, srv)

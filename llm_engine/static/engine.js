@@ -86,7 +86,8 @@ function spark(id, xs) {
   if (ys.length < 2) return;
   const max = Math.max(...ys) || 1;
   ctx.strokeStyle = "#4a7fd1"; ctx.lineWidth = 1.5; ctx.beginPath();
-  xs.forEach((x, i) => { const px = (i / (HISTORY - 1)) * w, py = h - 2 - ((x ?? 0) / max) * (h - 4); i ? ctx.lineTo(px, py) : ctx.moveTo(px, py); });
+  const span = Math.max(xs.length, 240) - 1;     // the first minute fills from the left, then the line scrolls
+  xs.forEach((x, i) => { const px = (i / span) * w, py = h - 2 - ((x ?? 0) / max) * (h - 4); i ? ctx.lineTo(px, py) : ctx.moveTo(px, py); });
   ctx.stroke();
 }
 
@@ -100,7 +101,9 @@ function drawStats(f) {
   $("stat-tpot").textContent = fmt(f.tpot_ms.p50, 1);
   $("stat-kv").textContent = `${fmt(f.kv_usage * 100)}%`;
   $("stat-hit").textContent = `${fmt(f.prefix_hit_rate * 100)}%`;
-  $("stat-step").textContent = `step ${f.step} · ${f.preemptions} preemptions · frame copy ${fmt(f.copy_ms, 2)} ms`;
+  $("stat-step").textContent = `${f.finished_recently} finished in the last minute`;
+  $("state-status").textContent = `live · step ${f.step} · ${f.tokens_generated} tokens generated · ${f.preemptions} preemptions · ` +
+    `this frame held the step loop ${fmt(f.copy_ms, 2)} ms`;
   spark("spark-tok-s", history.tok_s); spark("spark-ttft", history.ttft); spark("spark-tpot", history.tpot); spark("spark-kv", history.kv);
 }
 
@@ -131,7 +134,7 @@ async function watch() {
       const r = await api("/v1/debug/state", { signal: mine.signal });
       if (r.status === 401) { status.textContent = "the engine view needs the API key"; return; }   // "keychange" restarts it
       if (!r.ok) throw new Error(await errorText(r));
-      status.textContent = "live";
+      status.textContent = "live";   // the first frame adds the step and what the frame cost
       for await (const data of readEvents(r)) {
         const f = JSON.parse(data);
         if (f.error) { status.textContent = f.error; continue; }
