@@ -207,3 +207,21 @@ def test_api_key_typed_once(browser, tiny):
         wait_for(lambda: m.get_attribute("data-state") == "done", "an answer with the key")
         assert re.search(r"\d+ tokens", m.find_element("css selector", ".meta").text)
         browser.get("about:blank")
+
+def test_settings_reach_the_server(browser, server):
+    open_page(browser, server)
+    set_field(browser, "schema", '{"type": "string", "enum": ["yes", "no"]}')   # structured output: one of two JSON strings
+    m = ask(browser, "Yes or no?", max_tokens=16)
+    wait_for(lambda: m.get_attribute("data-state") == "done", "the constrained answer")
+    assert m.find_element("css selector", ".body").text in ('"yes"', '"no"'), m.text
+    set_field(browser, "schema", "{not json")
+    m = ask(browser, "Again?")
+    wait_for(lambda: "not valid JSON" in m.text, "the page refusing a bad schema")
+    set_field(browser, "schema", "")
+    set_field(browser, "tools", '{"type": "function"}')
+    m = ask(browser, "Call something.")
+    wait_for(lambda: "must be a JSON array" in m.text, "the page refusing tools that are not a list")
+    set_field(browser, "tools", '[{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]')
+    m = ask(browser, "Add 2 and 3.", max_tokens=8)
+    wait_for(lambda: m.get_attribute("data-state") == "done", "an answer with tools given")
+    assert errors(browser) == []
