@@ -37,7 +37,8 @@ setuptools.setup(
     include_package_data = True,
     package_data = {cfg['lib_name']: ['csrc/*.cpp', 'static/*']},   # the C++ decode kernel, compiled on first use; the web page's files
     install_requires = requirements,
-    extras_require={ 'dev': dev_requirements, 'ray': shlex.split(cfg.get('ray_requirements', '')) },
+    # every `NAME_requirements` key of settings.ini is an extra (dev, ray, clients...)
+    extras_require={ k[:-len('_requirements')]: shlex.split(v) for k, v in cfg.items() if k.endswith('_requirements') and k != 'requirements' },
     dependency_links = cfg.get('dep_links','').split(),
     python_requires  = '>=' + cfg['min_python'],
     long_description = open('README.md', encoding='utf-8').read(),
