@@ -57,7 +57,8 @@ class StreamOptions(BaseModel):
 # %% ../nbs/09a_protocol.ipynb
 class SamplingRequest(BaseModel):
     "Fields `/v1/completions` and `/v1/chat/completions` share."
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # extras are kept to be checked by `check_supported` (refused unless "off"); the published schema says none are accepted
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, json_schema_extra={"additionalProperties": False})
     model: str|None = None
     max_tokens: int|None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0)

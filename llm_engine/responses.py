@@ -23,7 +23,7 @@ __all__ = ['OFF', 'router', 'ResponsesRequest', 'check_request', 'input_messages
 
 # %% ../nbs/10a_responses.ipynb
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, json_schema_extra={"additionalProperties": False})   # extras: see check_request
     model: str|None = None
     input: str|list[dict]
     instructions: str|None = None
@@ -255,7 +255,7 @@ async def response_stream(ctx, req: ResponsesRequest, chat, rid, created, convo,
         for ev in w.text("", final=True) + w.close(): yield ev
         body = response_body(ctx, req, rid, created, w.items, finish=out.outputs[0].finish_reason, out=out)
         if req.store: store.put(rid, body, convo + [assistant_message(w.items)])
-        yield w.ev("response.incomplete" if body["status"] == "incomplete" else "response.completed", response=body)
+        yield w.ev("response.completed", response=body)
     finally: await gen.aclose()
 
 # %% ../nbs/10a_responses.ipynb
