@@ -193,7 +193,8 @@ def test_tokenize_detokenize(server):
     with_gen = post(server, "/tokenize", {"messages": MSG}).json()["tokens"]
     without = post(server, "/tokenize", {"messages": MSG, "add_generation_prompt": False}).json()["tokens"]
     assert with_gen[:len(without)] == without and len(with_gen) > len(without)
-    assert error_of(post(server, "/detokenize", {"tokens": [10**9]}), 400)["param"] == "prompt"
+    e = error_of(post(server, "/detokenize", {"tokens": [10**9]}), 400)
+    assert e["param"] == "tokens" and "1000000000" in e["message"]
 
 def test_unsupported_fields_refused(small):
     for body, param in (({"functions": [{"name": "f"}]}, "functions"),
@@ -313,3 +314,136 @@ def test_unspellable_grammar_is_the_clients_400(small):
     assert events[-1]["error"]["type"] == "invalid_request_error", events[-1]
     ok = post(small, "/v1/chat/completions", {**body, "guided_regex": "ab"})
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "ab"
+
+# ---- tool calls that survive (issue 25)
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+def stream_calls(srv, body):
+    "(calls by index, the raw tool-call deltas, the last finish_reason) of a streamed chat answer."
+    with httpx.stream("POST", srv.base + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+        chunks = [json.loads(l[6:]) for l in r.iter_lines() if l.startswith("data: {")]
+    deltas = [d for c in chunks for ch in c["choices"] for d in ch["delta"].get("tool_calls") or []]
+    calls = {}
+    for d in deltas:
+        c = calls.setdefault(d["index"], {"name": None, "arguments": ""})
+        if "name" in d["function"]: c["name"] = d["function"]["name"]
+        c["arguments"] += d["function"].get("arguments", "")
+    return calls, deltas, [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]][-1]
+
+def one_call(srv):
+    body = {"messages": ASK, "tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0, "max_tokens": 60}
+    r = post(srv, "/v1/chat/completions", body).json()
+    ch = r["choices"][0]
+    assert ch["finish_reason"] == "tool_calls" and len(ch["message"]["tool_calls"]) == 1, ch
+    return body, ch["message"]["tool_calls"][0]["function"], r["usage"]["completion_tokens"]
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_required_call_cut_by_max_tokens(server, bias):
+    "max_tokens just past the first call: that call comes back, streamed and not; with the end token biased away the cut is certain."
+    body, first, n = one_call(server)
+    cut = {**body, "parallel_tool_calls": True, "max_tokens": n + 3, **({"logit_bias": {"2": -100}} if bias else {})}
+    ch = post(server, "/v1/chat/completions", cut).json()["choices"][0]
+    assert ch["message"]["tool_calls"][0]["function"] == first, ch
+    assert ch["finish_reason"] == ("length" if bias else ch["finish_reason"]) and ch["finish_reason"] in ("length", "tool_calls")
+    if bias: assert len(ch["message"]["tool_calls"]) == 1 and ch["message"]["content"] is None
+    calls, deltas, finish = stream_calls(server, cut)
+    assert calls[0] == first and finish == ch["finish_reason"]
+    for c in calls.values(): json.loads(c["arguments"])
+    assert settle(server.base)["kv_blocks_used"] == 0
+
+def test_one_call_then_end_and_stream_deltas(server):
+    "parallel_tool_calls false: exactly one call (forced or auto); streamed deltas: index, id once, the name before the arguments."
+    body, first, _ = one_call(server)
+    auto = post(server, "/v1/chat/completions", {**body, "tool_choice": "auto", "temperature": 1.0, "seed": 5}).json()["choices"][0]
+    assert len(auto["message"]["tool_calls"] or []) <= 1
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        for seed in (0, 1):
+            calls, deltas, finish = stream_calls(server, {**body, "tool_choice": choice, "temperature": 1.0, "seed": seed})
+            assert finish == "tool_calls" and list(calls) == [0] and calls[0]["name"] == "get_weather"
+            json.loads(calls[0]["arguments"])   # the argument deltas concatenate to valid JSON
+            assert [("id" in d, "name" in d["function"]) for d in deltas][0] == (True, True)
+            assert sum("id" in d for d in deltas) == 1 and all(d["index"] == 0 for d in deltas)
+
+# ---- what else clients send (issue 25)
+
+def test_assistant_prefill_is_continued(server):
+    "A last assistant message is continued: the same tokens as completing the raw prompt that ends inside that message."
+    msgs = [{"role": "user", "content": "List three fruits."}, {"role": "assistant", "content": "Sure: apple,"}]
+    head = post(server, "/tokenize", {"messages": msgs[:1]}).json()["tokens"]       # the template up to "<|im_start|>assistant\n"
+    raw = head + post(server, "/tokenize", {"prompt": "Sure: apple,", "add_special_tokens": False}).json()["tokens"]
+    want = post(server, "/v1/completions", {"prompt": raw, "max_tokens": 8, "temperature": 0}).json()["choices"][0]["text"]
+    for extra in ({}, {"continue_final_message": True, "add_generation_prompt": False}, {"add_generation_prompt": False}):
+        r = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 8, "temperature": 0, **extra}).json()
+        assert r["choices"][0]["message"]["content"] == want, (extra, r)
+    anew = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1, "add_generation_prompt": True}).json()
+    assert anew["usage"]["prompt_tokens"] == len(post(server, "/tokenize", {"messages": msgs}).json()["tokens"]) > r["usage"]["prompt_tokens"]
+    e = error_of(post(server, "/v1/chat/completions", {"messages": msgs[:1], "continue_final_message": True}), 400)
+    assert e["param"] == "continue_final_message"
+
+def test_unknown_fields_refused_and_known_extras_pass(small):
+    for path, body in (("/v1/chat/completions", {"messages": MSG}), ("/v1/completions", {"prompt": "x"})):
+        e = error_of(post(small, path, {**body, "some_unknown_field": 1, "max_tokens": 1}), 400)
+        assert e["param"] == "some_unknown_field" and "some_unknown_field" in e["message"]
+    c = openai.OpenAI(base_url=f"{small.base}/v1", api_key="x", max_retries=0)
+    r = c.chat.completions.create(model="tiny", messages=MSG, max_tokens=2, store=False, metadata=None,
+                                  extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "ignore_eos": True})
+    assert r.usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError) as ei:
+        c.chat.completions.create(model="tiny", messages=MSG, max_tokens=2, extra_body={"max_tokenz": 5})
+    assert "max_tokenz" in str(ei.value)
+
+def test_truncation_side(small):
+    ids = list(range(100, 120))
+    for side, want in (("left", ids[-4:]), ("right", ids[:4]), (None, ids[-4:])):
+        body = {"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 4, "return_token_ids": True, **({"truncation_side": side} if side else {})}
+        assert post(small, "/v1/completions", body).json()["choices"][0]["prompt_token_ids"] == want
+    assert error_of(post(small, "/v1/completions", {"prompt": "x", "truncation_side": "middle"}), 400)["param"] == "truncation_side"
+
+def test_streamed_token_ids_and_usage_on_every_chunk(server):
+    body = {"messages": MSG, "max_tokens": 6, "temperature": 0, "return_token_ids": True, "logit_bias": {"2": -100}}
+    full = post(server, "/v1/chat/completions", body).json()
+    with httpx.stream("POST", server.base + "/v1/chat/completions", timeout=120,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+        chunks = [json.loads(l[6:]) for l in r.iter_lines() if l.startswith("data: {")]
+    assert chunks[0]["prompt_token_ids"] == full["prompt_token_ids"]
+    assert sum((c["choices"][0]["token_ids"] for c in chunks if c["choices"]), []) == full["choices"][0]["token_ids"]
+    assert all(c.get("usage") for c in chunks) and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert [c["usage"]["prompt_tokens"] for c in chunks] == [full["usage"]["prompt_tokens"]] * len(chunks)
+    with httpx.stream("POST", server.base + "/v1/completions", timeout=120, json={"prompt": "Hello", "max_tokens": 4, "stream": True,
+                      "ignore_eos": True, "stream_options": {"continuous_usage_stats": True}}) as r:
+        chunks = [json.loads(l[6:]) for l in r.iter_lines() if l.startswith("data: {")]
+    assert all(c.get("usage") for c in chunks) and chunks[-1]["usage"]["completion_tokens"] == 4
+
+def test_incomplete_utf8_tail_is_left_out(server):
+    "A token that ends with the first byte of a 2-byte character, and nothing after it: the text leaves it out, streamed and not."
+    t = post(server, "/tokenize", {"content": " ä", "with_pieces": True}).json()["tokens"]
+    lead = next(p["id"] for p in t if isinstance(p["piece"], list) and p["piece"][-1] >= 0xC0)   # " \xc3"
+    body = {"prompt": "Hello", "max_tokens": 1, "allowed_token_ids": [lead], "return_token_ids": True}
+    ch = post(server, "/v1/completions", body).json()["choices"][0]
+    assert ch["token_ids"] == [lead] and "\ufffd" not in ch["text"] and ch["text"] in ("", " ")
+    with httpx.stream("POST", server.base + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        text = "".join(json.loads(l[6:])["choices"][0]["text"] for l in r.iter_lines() if l.startswith("data: {"))
+    assert "\ufffd" not in text
+    chat = post(server, "/v1/chat/completions", {"messages": MSG, "max_tokens": 1, "allowed_token_ids": [lead]}).json()
+    assert "\ufffd" not in chat["choices"][0]["message"]["content"]
+
+def test_llama_cpp_response_format_shapes(server):
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 12}}, "required": ["capital"], "additionalProperties": False}
+    for t in ("json_object", "json_schema"):
+        r = post(server, "/v1/chat/completions", {"messages": MSG, "max_tokens": 40, "temperature": 0, "response_format": {"type": t, "schema": schema}}).json()
+        out = json.loads(r["choices"][0]["message"]["content"])
+        assert set(out) == {"capital"}, out
+        e = error_of(post(server, "/v1/chat/completions", {"messages": MSG, "response_format": {"type": t, "schema": {"type": "nonsense"}}}), 400)
+        assert e["param"] == "response_format"
+
+def test_llama_cpp_tokenize(server):
+    r = post(server, "/tokenize", {"content": "Hello world", "with_pieces": True}).json()
+    assert r == {"tokens": [{"id": 19556, "piece": "Hello"}, {"id": 905, "piece": " world"}]}
+    assert post(server, "/tokenize", {"content": "Hello world"}).json() == {"tokens": [19556, 905]}
+    assert post(server, "/tokenize", {"content": "<|im_start|>"}).json()["tokens"] == [1]
+    assert len(post(server, "/tokenize", {"content": "<|im_start|>", "parse_special": False}).json()["tokens"]) > 1
+    e = error_of(post(server, "/v1/completions", {"prompt": [5, 49152 + 3], "max_tokens": 1}), 400)
+    assert "49155" in e["message"] and e["param"] == "prompt"
