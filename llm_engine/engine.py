@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio, ctypes, ctypes.util, itertools, threading, time, uuid
 from collections import deque
 from dataclasses import dataclass, field, replace
-import torch
+import numpy as np, torch
 from fastcore.basics import patch
 from .config import EngineConfig, resolve_device, resolve_dtype
 from .model import load_model, load_tokenizer
@@ -21,10 +21,32 @@ from .structured import StructuredOutputManager, apply_grammar_masks
 from .trace import Tracer
 
 # %% auto 0
-__all__ = ['QueueFull', 'LLMEngine', 'MemoryTrimmer', 'AsyncLLMEngine', 'LLM']
+__all__ = ['TRACE_REQUESTS', 'FINISHED_FIELDS', 'QueueFull', 'StepLog', 'LLMEngine', 'MemoryTrimmer', 'AsyncLLMEngine', 'LLM']
 
 # %% ../nbs/08_engine.ipynb
 class QueueFull(RuntimeError): "The engine's waiting queue is at its limit."
+
+# %% ../nbs/08_engine.ipynb
+# the trace's per-request histories (07c) cost ~1.5 KB each: a thousand fill during warm-up, where the tracer's own
+# default, 10,000, kept memory growing for the first 10,000 requests of a server's life (15 MB)
+TRACE_REQUESTS = 1_000
+FINISHED_FIELDS = ("arrival_time", "first_scheduled_time", "first_token_time", "last_token_time", "finished_time",
+                   "num_output_tokens")
+
+class StepLog:
+    "The last `capacity` rows of named floats (None is NaN), in a ring allocated once; appends and copies share one lock."
+    def __init__(self, capacity: int, fields: tuple):
+        self.fields, self.rows = tuple(fields), np.full((capacity, len(fields)), np.nan)
+        self.count, self._lock = 0, threading.Lock()       # rows ever appended (the ring keeps the last `capacity`)
+    def __len__(self): return min(self.count, len(self.rows))
+    def append(self, *row):
+        with self._lock: self.rows[self.count % len(self.rows)] = row; self.count += 1
+    def snapshot(self) -> dict:
+        "`{field: array}` of the kept rows, oldest first: a consistent copy, whatever the writer does meanwhile."
+        with self._lock:
+            n, k = self.count, self.count % len(self.rows)
+            rows = self.rows[:n].copy() if n <= len(self.rows) else np.concatenate([self.rows[k:], self.rows[:k]])
+        return {f: rows[:, i] for i, f in enumerate(self.fields)}
 
 # %% ../nbs/08_engine.ipynb
 @dataclass
@@ -62,14 +84,15 @@ class LLMEngine:
         self.max_model_len = min(cfg.scheduler.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.eos_ids = set(mc.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})
         self.requests: dict[str, _Request] = {}
-        self.finished_log = deque(maxlen=10_000)     # RequestMetrics of finished requests
-        self.token_log = deque(maxlen=100_000)       # (time, tokens generated) per step
+        self.finished_log = StepLog(10_000, FINISHED_FIELDS)    # the timings of finished requests (notebook 09 reads them)
+        self.token_log = StepLog(100_000, ("time", "tokens"))   # tokens generated per step
         self.num_steps = self.num_generated_tokens = 0
         self._seed = itertools.count(cfg.seed * 1_000_003)
         self._structured, self._structured_lock, self._bitmask = None, threading.Lock(), None   # built on the first constrained request
         self.grammar_mask_time, self.grammar_mask_steps = 0.0, 0
         # why each request waited, was chunked or preempted: cheap enough to leave on (see 07c)
-        self.tracer = Tracer(cfg.trace_capacity, record_blocks=cfg.trace_blocks) if cfg.trace_capacity else None
+        self.tracer = (Tracer(cfg.trace_capacity, max_requests=TRACE_REQUESTS, record_blocks=cfg.trace_blocks)
+                       if cfg.trace_capacity else None)
         if cfg.tensor_parallel_size > 1:     # the forward runs on N ranks instead (chapter 11b explains how)
             from llm_engine.distributed import attach_tensor_parallel
             self.runner = attach_tensor_parallel(self, cfg.tensor_parallel_size)
@@ -172,7 +195,7 @@ def step(self: LLMEngine) -> list[RequestOutput]:
         n_new += len(toks)
         if rec is not None: rec.tokens.setdefault(req.request_id, []).extend(toks)
     self.num_steps += 1; self.num_generated_tokens += n_new
-    self.token_log.append((now, n_new))
+    self.token_log.append(now, n_new)
     return [r if isinstance(r, RequestOutput) else self._output(r) for r in touched.values()]
 
 @patch
@@ -284,7 +307,7 @@ def _finish_request(self: LLMEngine, req: _Request) -> RequestOutput:
     m.finished_time = time.perf_counter()
     m.num_output_tokens = sum(len(s.output_token_ids) for s in seqs)
     m.num_cached_tokens = seqs[0].num_cached_tokens
-    self.finished_log.append(m)
+    self.finished_log.append(*(getattr(m, f) for f in FINISHED_FIELDS))
     if self.tracer: self.tracer.finish(req.request_id, self.scheduler.num_steps, req.error or seqs[0].finish_reason)
     return self._output(req)
 

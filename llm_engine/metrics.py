@@ -8,13 +8,14 @@ import time
 import numpy as np
 
 # %% auto 0
-__all__ = ['percentiles', 'request_latencies', 'engine_stats', 'EngineCollector', 'prometheus_text']
+__all__ = ['percentiles', 'request_latencies', 'log_latencies', 'engine_stats', 'EngineCollector', 'prometheus_text']
 
 # %% ../nbs/09_metrics.ipynb
 def percentiles(xs, qs=(50, 90, 99)) -> dict:
-    "`{q: value}` for the given percentiles of `xs`, or None values when there is no data."
-    xs = [x for x in xs if x is not None]
-    return {q: (float(np.percentile(xs, q)) if xs else None) for q in qs}
+    "`{q: value}` for the given percentiles of `xs` (None and NaN left out), or None values when there is no data."
+    xs = np.array([np.nan if x is None else x for x in xs] if not isinstance(xs, np.ndarray) else xs, dtype=float)
+    xs = xs[~np.isnan(xs)]
+    return {q: (float(np.percentile(xs, q)) if len(xs) else None) for q in qs}
 
 def request_latencies(m) -> dict:
     "Seconds spent by one finished request: ttft, tpot, e2e and queue."
@@ -24,20 +25,30 @@ def request_latencies(m) -> dict:
     return dict(ttft=ttft, tpot=tpot, e2e=m.finished_time - m.arrival_time,
                 queue=m.first_scheduled_time - m.arrival_time if m.first_scheduled_time else None)
 
+def log_latencies(fin: dict) -> dict:
+    "`request_latencies` for every row of a `finished_log` snapshot at once: arrays of seconds, NaN where undefined."
+    n, first = fin["num_output_tokens"], fin["first_token_time"]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot = np.where(n > 1, (fin["last_token_time"] - first) / np.maximum(n - 1, 1), np.nan)
+    return dict(ttft=first - fin["arrival_time"], tpot=tpot, e2e=fin["finished_time"] - fin["arrival_time"],
+                queue=fin["first_scheduled_time"] - fin["arrival_time"])
+
 def engine_stats(engine, window=60.0) -> dict:
     "A JSON-ready snapshot of the engine: load, KV use, latency percentiles (ms) and recent throughput."
     bm, sch, now = engine.block_manager, engine.scheduler, time.perf_counter()
-    lat = [request_latencies(m) for m in engine.finished_log]
+    # copies taken under the logs' lock: the step thread appends meanwhile (iterating its deques raised here once)
+    lat, toks = log_latencies(engine.finished_log.snapshot()), engine.token_log.snapshot()
     st = dict(kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks, kv_usage=bm.num_used_blocks / bm.num_blocks,
               kv_block_size=bm.block_size, requests_running=len(sch.running), requests_waiting=len(sch.waiting),
-              requests_swapped=len(sch.swapped), requests_finished=len(engine.finished_log),
+              requests_swapped=len(sch.swapped), requests_finished=engine.finished_log.count,
               tokens_generated=engine.num_generated_tokens, steps=engine.num_steps,
               prefix_cache_hit_rate=bm.prefix_hit_rate, preemptions=sch.num_preemptions, swaps=sch.num_swaps)
     for key in ("ttft", "tpot", "e2e", "queue"):
-        for q, v in percentiles([l[key] for l in lat]).items(): st[f"{key}_ms_p{q}"] = None if v is None else v * 1e3
-    recent = [(t, n) for t, n in engine.token_log if now - t <= window]
-    span = (now - recent[0][0]) if len(recent) > 1 else 0
-    st["throughput_tok_s"] = sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
+        for q, v in percentiles(lat[key]).items(): st[f"{key}_ms_p{q}"] = None if v is None else v * 1e3
+    recent = now - toks["time"] <= window
+    t, n = toks["time"][recent], toks["tokens"][recent]
+    span = (now - t[0]) if len(t) > 1 else 0
+    st["throughput_tok_s"] = float(n[1:].sum()) / span if span > 0 else 0.0
     return st
 
 # %% ../nbs/09_metrics.ipynb

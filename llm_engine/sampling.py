@@ -4,14 +4,15 @@
 
 # %% ../nbs/06_sampling.ipynb 3
 from __future__ import annotations
-import math
+import math, numbers, struct
 from dataclasses import dataclass, field
 import torch
 from fastcore.basics import patch
 from .precision import load_step_kernels
 
 # %% auto 0
-__all__ = ['BadParam', 'SamplingParams', 'SampleOutput', 'apply_penalties', 'filter_logits', 'apply_processors', 'sample']
+__all__ = ['BadParam', 'SamplingParams', 'as_float32', 'in_float32', 'SampleOutput', 'apply_penalties', 'filter_logits',
+           'apply_processors', 'sample']
 
 # %% ../nbs/06_sampling.ipynb
 class BadParam(ValueError):
@@ -62,26 +63,40 @@ class SamplingParams:
     def processed(self): return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids)
 
 # %% ../nbs/06_sampling.ipynb
+def as_float32(x) -> float|None:
+    "`x` rounded to float32, the dtype the sampler computes in; None if it is not a real number or not finite there."
+    if isinstance(x, bool) or not isinstance(x, numbers.Real): return None
+    try: v = struct.unpack("f", struct.pack("f", float(x)))[0]
+    except (OverflowError, struct.error): return None     # beyond float32's range (1.7e306 is finite in JSON, not here)
+    return v if math.isfinite(v) else None
+
+def in_float32(x, lo=-math.inf, hi=math.inf, lo_open=False) -> bool:
+    "`x` is finite in float32 and, as float32, lies in [lo, hi] (in (lo, hi] with `lo_open`)."
+    v = as_float32(x)
+    return v is not None and (v > lo if lo_open else v >= lo) and v <= hi
+
 @patch
 def _checks(self: SamplingParams):
     "(field, ok, message) for every constraint; the first failing one is raised as `BadParam`."
     isint = lambda x: isinstance(x, int) and not isinstance(x, bool)
+    f32 = "finite in float32"
     return [
         ("n", isint(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
         ("max_tokens", self.max_tokens is None or (isint(self.max_tokens) and self.max_tokens >= 1), f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
-        ("temperature", 0 <= self.temperature < float("inf"), f"temperature must be >= 0 and finite, got {self.temperature}"),
-        ("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+        ("temperature", in_float32(self.temperature, 0), f"temperature must be >= 0 and {f32} (at most 3.4e38), got {self.temperature!r}"),
+        ("top_p", in_float32(self.top_p, 0, 1, lo_open=True), f"top_p must be in (0, 1] (and not 0 in float32), got {self.top_p!r}"),
         ("top_k", isint(self.top_k) and self.top_k >= -1, f"top_k must be -1 or 0 (off) or > 0, got {self.top_k}"),
-        ("min_p", 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-        ("presence_penalty", -2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-        ("frequency_penalty", -2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-        ("repetition_penalty", 0 < self.repetition_penalty < float("inf"), f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}"),
-        ("min_tokens", self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens), "min_tokens must be in [0, max_tokens]"),
-        ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
-        ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
+        ("min_p", in_float32(self.min_p, 0, 1), f"min_p must be in [0, 1], got {self.min_p!r}"),
+        ("presence_penalty", in_float32(self.presence_penalty, -2, 2), f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
+        ("frequency_penalty", in_float32(self.frequency_penalty, -2, 2), f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
+        ("repetition_penalty", in_float32(self.repetition_penalty, 0, lo_open=True),
+         f"repetition_penalty must be > 0 and {f32} (in [1.4e-45, 3.4e38]), got {self.repetition_penalty!r}"),
+        ("min_tokens", isint(self.min_tokens) and self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens), "min_tokens must be in [0, max_tokens]"),
+        ("logprobs", self.logprobs is None or (isint(self.logprobs) and 0 <= self.logprobs <= 20), f"logprobs must be in [0, 20], got {self.logprobs}"),
+        ("prompt_logprobs", self.prompt_logprobs is None or (isint(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20), f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
         ("stop", all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them"),
         ("stop_token_ids", all(isint(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids"),
-        ("logit_bias", all(isint(k) and k >= 0 and -100 <= v <= 100 for k, v in (self.logit_bias or {}).items()),
+        ("logit_bias", isinstance(self.logit_bias or {}, dict) and all(isint(k) and k >= 0 and in_float32(v, -100, 100) for k, v in (self.logit_bias or {}).items()),
          "logit_bias maps token ids to values in [-100, 100]"),
         ("allowed_token_ids", self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0 and all(isint(t) and t >= 0 for t in self.allowed_token_ids)),
          "allowed_token_ids must be a non-empty list of token ids"),
@@ -153,7 +168,10 @@ def apply_processors(logits, rows, end_ids=()):
 def _draw(logits, rows, hot):
     "Temperature, top-k/top-p/min-p and one seeded draw for each non-greedy row in `hot`."
     ps = [rows[i].params for i in hot]
-    l = (logits[hot] / torch.tensor([p.temperature for p in ps])[:, None]).clamp(max=_BIG)
+    # softmax does not change under a shift: minus the row's max first, the best token is 0 after any temperature, so
+    # no finite logit divided by a tiny one becomes +inf, nor do all of a row's become -inf (which gave NaN)
+    l = logits[hot]
+    l = (l - l.amax(-1, keepdim=True)) / torch.tensor([p.temperature for p in ps])[:, None]
     if any(p.filtered for p in ps):
         l = filter_logits(l, torch.tensor([p.top_k if 0 < p.top_k < l.shape[-1] else l.shape[-1] for p in ps]),
                           torch.tensor([p.top_p for p in ps]), torch.tensor([p.min_p for p in ps]))

@@ -229,3 +229,71 @@ def test_engine_fault_fails_only_affected_requests(tiny):
         assert eng.block_manager.num_used_blocks == 0 and not eng.has_unfinished()
     finally:
         aeng.shutdown()
+
+# ---- floats: checked in float32, the dtype the sampler uses
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", 1.7e306), ("temperature", 3.5e38), ("repetition_penalty", 1e-50), ("repetition_penalty", 1e39),
+    ("top_p", 1e-50), ("min_p", 1.5), ("presence_penalty", -2.5), ("frequency_penalty", 1e300), ("logit_bias", {"5": 1e300}),
+    ("logit_bias", {"5": -101.0})])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_floats_out_of_float32_or_range_are_400_naming_the_field(srv, path, field, value):
+    body = {"max_tokens": 2, field: value, **({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})}
+    r = httpx.post(srv.base + path, json=body, timeout=60)
+    assert r.status_code == 400 and is_error_json(r), r.text
+    e = r.json()["error"]
+    assert field in (e["param"] or "") or field in e["message"], e
+
+def test_issue_reproducer_float32_overflow_is_400(srv):
+    # finite in JSON, infinite in float32: it once reached the sampler and answered 500 ("probability tensor contains inf")
+    r = httpx.post(srv.base + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 1.7e306,
+                                                        "repetition_penalty": 1.3e-15}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+    # the extremes that are finite in float32 are valid, and sample
+    r = httpx.post(srv.base + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 3e38, "repetition_penalty": 1.3e-15,
+                                                        "ignore_eos": True, "top_p": 1e-30, "logit_bias": {"5": -100}}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    assert settle(srv.base)["kv_blocks_used"] == 0
+
+# ---- /v1/stats and /metrics read while the step thread writes
+
+def test_stats_and_metrics_hammered_while_32_clients_stream(tiny):
+    "8 threads poll /v1/stats and /metrics (every 20 ms each) while 32 clients stream: every answer is a 200."
+    import threading
+    s = Server("--model", tiny, "--num-blocks", "512", "--max-model-len", "512", "--max-num-seqs", "32")
+    try:
+        stop, bad, polls = threading.Event(), [], {"/v1/stats": 0, "/metrics": 0}
+        def hammer(k):
+            path = ("/v1/stats", "/metrics")[k % 2]
+            with httpx.Client(base_url=s.base, timeout=30) as c:
+                while not stop.is_set():
+                    r = c.get(path); polls[path] += 1
+                    if r.status_code != 200: bad.append((path, r.status_code, r.text[:300]))
+                    time.sleep(0.02)       # leaves the server's loop time to stream: the clients must finish too
+        async def client(c, i):
+            n = 0
+            for round_ in range(2):
+                async with c.stream("POST", "/v1/completions", json={"prompt": f"client {i} round {round_}", "max_tokens": 32,
+                                    "ignore_eos": True, "stream": True}, timeout=120) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines(): n += line.startswith("data: {")
+            return n
+        async def main():
+            async with httpx.AsyncClient(base_url=s.base, limits=httpx.Limits(max_connections=64)) as c:
+                return await asyncio.gather(*[client(c, i) for i in range(32)])
+        threads = [threading.Thread(target=hammer, args=(k,)) for k in range(8)]
+        for t in threads: t.start()
+        try: chunks = asyncio.run(main())
+        finally:
+            stop.set()
+            for t in threads: t.join(60)
+        st = settle(s.base)
+        print(f"\nstats race: {polls['/v1/stats']} /v1/stats and {polls['/metrics']} /metrics polls while 32 clients streamed "
+              f"{sum(chunks)} chunks; {len(bad)} errors; requests_finished={st['requests_finished']}")
+        assert not bad, bad[:3]
+        assert polls["/v1/stats"] >= 50 and polls["/metrics"] >= 50 and all(n >= 2 for n in chunks)
+        assert st["requests_finished"] == 64 and st["tokens_generated"] >= 64 * 32 and st["kv_blocks_used"] == 0
+        m = httpx.get(s.base + "/metrics").text
+        assert "llm_engine_requests_finished 64.0" in m
+    finally:
+        assert s.stop() == 0

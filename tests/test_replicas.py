@@ -58,25 +58,46 @@ def replica_actor(name):
     assert len(hits) == 1, hits
     return ray.get_actor(hits[0]["name"], namespace=hits[0]["namespace"])
 
+def gauge(client, name, replica) -> float:
+    "One replica's `llm_engine_<name>` from the aggregated /metrics (NaN while the replica is not answering)."
+    m = re.search(rf'llm_engine_{name}{{replica="{replica}"}} (\S+)', client.get("/metrics").text)
+    return float(m.group(1)) if m else float("nan")
+
+MAX_TOKENS = 900     # 8 such requests fit replica-0's 512 blocks at once after the retries
+
+def prompts_for(replica, k):
+    "k prompts whose prefix hashes to `replica` first (the router sends them there while it is not overloaded)."
+    ps = (f"story {i}: once upon a time {i * 31}" for i in range(10_000))
+    return [p for p in ps if rendezvous(prefix_key({"prompt": p}), REPLICAS)[0] == replica][:k]
+
 def test_killing_a_replica_under_load_loses_no_request(url):
     c = httpx.Client(base_url=url, timeout=180)
+    prompts = prompts_for("replica-1", 4) + prompts_for("replica-0", 4)
     results, threads = {}, []
+    base = gauge(c, "tokens_generated", "replica-1")      # what replica-1 generated before this test
     def one(i):
-        # long generations (seconds each), so the kill below surely lands while some are running on replica-1
-        body = {"prompt": f"story {i}: once upon a time {i * 31}", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+        body = {"prompt": prompts[i], "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
         with httpx.Client(base_url=url, timeout=180) as cl: results[i] = cl.post("/v1/completions", json=body).status_code
-    for i in range(16):
+    for i in range(len(prompts)):
         threads.append(threading.Thread(target=one, args=(i,))); threads[-1].start()
-    deadline = time.time() + 60          # kill replica-1 once requests are in flight on it
-    victim = replica_actor("replica-1")
-    while c.get("/router/stats").json()["inflight"].get("replica-1", 0) < 2 and time.time() < deadline: time.sleep(0.05)
+    # kill replica-1 once its 4 requests all run and are far from done: they were prefilled together (short prompts, one
+    # step), so each holds about done/4 tokens; under a quarter of max_tokens leaves each hundreds of steps (seconds)
+    # from its end, so the kill lands before any of them can finish, however slow or fast the machine is
+    victim, deadline, seen = replica_actor("replica-1"), time.time() + 120, []
+    while True:
+        running, done = gauge(c, "requests_running", "replica-1"), gauge(c, "tokens_generated", "replica-1") - base
+        seen.append((running, done))
+        if running == 4 and done / 4 < MAX_TOKENS / 4: break
+        assert done / 4 < MAX_TOKENS / 4 and time.time() < deadline, f"replica-1 never ran its 4 requests far from done: {seen[-5:]}"
+        time.sleep(0.02)
     t_kill = time.time()
     ray.kill(victim, no_restart=True)
     for t in threads: t.join(180)
-    assert results == {i: 200 for i in range(16)}, results
+    assert results == {i: 200 for i in range(len(prompts))}, results
     st = c.get("/router/stats").json()
-    print(f"all 16 answered {time.time() - t_kill:.1f} s after the kill; router stats {st}")
-    # the requests that were running on replica-1 failed there and were answered by replica-0
-    assert st["failures"].get("replica-1", 0) >= 1 and st["routed"]["replica-0"].get("retry", 0) == st["failures"]["replica-1"]
+    print(f"killed replica-1 running 4 requests {done / 4:.0f} of {MAX_TOKENS} tokens in; all {len(prompts)} answered "
+          f"{time.time() - t_kill:.1f} s after the kill; router stats {st}")
+    # the 4 requests running on replica-1 failed there and were answered by replica-0
+    assert st["failures"].get("replica-1", 0) == 4 and st["routed"]["replica-0"].get("retry", 0) == 4, st
     r = c.post("/v1/completions", json={"prompt": "still there?", "max_tokens": 2})
     assert r.status_code == 200
