@@ -4,9 +4,9 @@
 
 # %% ../nbs/10b_web.ipynb 3
 from __future__ import annotations
-import asyncio, heapq, json, logging, math, threading, time
+import asyncio, heapq, itertools, json, logging, math, threading, time
 from collections import Counter
-from dataclasses import dataclass, asdict, field
+from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
 import llm_engine
@@ -18,10 +18,10 @@ from .metrics import percentiles
 from fastcore.basics import patch
 
 # %% auto 0
-__all__ = ['MAX_LISTED', 'MAX_CELLS', 'RATE_WINDOW', 'LATENCY_WINDOW', 'LATENCY_FIELDS', 'log', 'state_router', 'STATIC', 'CSP',
-           'SECURITY_HEADERS', 'page_router', 'SeqView', 'seq_view', 'RawState', 'copy_state', 'block_cells',
-           'recent_rows', 'recent_rates', 'build_frame', 'StateHub', 'debug_state', 'SecurityHeaders', 'page',
-           'mount_web', 'main', 'state_stream_cost']
+__all__ = ['MAX_LISTED', 'RECENT_FINISHED', 'MAX_CELLS', 'RATE_WINDOW', 'LATENCY_WINDOW', 'LATENCY_FIELDS', 'log', 'state_router',
+           'STATIC', 'CSP', 'SECURITY_HEADERS', 'page_router', 'SeqView', 'seq_view', 'RawState', 'copy_state',
+           'block_cells', 'recent_rows', 'recent_rates', 'build_frame', 'StateHub', 'debug_state', 'SecurityHeaders',
+           'index_page', 'mount_web', 'main', 'state_stream_cost']
 
 # %% ../nbs/10b_web.ipynb
 @dataclass
@@ -41,6 +41,7 @@ def seq_view(s, now: float) -> SeqView:
 
 # %% ../nbs/10b_web.ipynb
 MAX_LISTED = 64     # sequences listed per queue in a frame (each queue's full length is sent too)
+RECENT_FINISHED = 12
 
 @dataclass
 class RawState:
@@ -53,6 +54,7 @@ class RawState:
     queues: dict                 # "running" | "waiting" | "swapped" -> [SeqView], at most MAX_LISTED each
     counts: dict                 # the same -> full length
     counters: dict               # steps, tokens generated, prefix hits, preemptions
+    finished: list|None = None   # [request id, step, reason] of the last finished requests, newest first (None: no trace)
 
 def copy_state(engine, listed=MAX_LISTED) -> RawState:
     "Copy what a frame needs; the caller holds the engine's lock. O(blocks in use + cached blocks + listed sequences)."
@@ -63,8 +65,10 @@ def copy_state(engine, listed=MAX_LISTED) -> RawState:
     counts = {"running": len(sch.running), "waiting": len(sch.waiting), "swapped": len(sch.swapped)}
     counters = dict(steps=engine.num_steps, tokens_generated=engine.num_generated_tokens, preemptions=sch.num_preemptions,
                     hit_tokens=bm.hit_tokens, queried_tokens=bm.queried_tokens)
+    tr = engine.tracer       # a request shorter than a frame's interval is never seen queued: the trace remembers it
+    finished = [[rid, *v] for rid, v in itertools.islice(reversed(tr.finished.items()), RECENT_FINISHED)] if tr else None
     return RawState(now, bm.num_blocks, bm.block_size, {k: list(t) for k, t in bm.tables.items()},
-                    list(bm.cached.values()), queues, counts, counters)
+                    list(bm.cached.values()), queues, counts, counters, finished)
 
 # %% ../nbs/10b_web.ipynb
 MAX_CELLS = 4096    # cells in a frame's block map: a larger pool gets several blocks per cell
@@ -118,7 +122,7 @@ def build_frame(raw: RawState, rates: dict, copy_ms=0.0, lock_held_s=0.0) -> dic
     return dict(time=time.time(), step=c["steps"], **block_cells(raw),
                 queues={k: [dict(vars(v)) for v in q] for k, q in raw.queues.items()}, counts=raw.counts,   # flat: asdict's deep copy cost 2/3 of a frame
                 prefix_hit_rate=c["hit_tokens"] / c["queried_tokens"] if c["queried_tokens"] else 0.0,
-                tokens_generated=c["tokens_generated"], preemptions=c["preemptions"], **rates,
+                finished=raw.finished, tokens_generated=c["tokens_generated"], preemptions=c["preemptions"], **rates,
                 copy_ms=round(copy_ms, 3), lock_held_s=round(lock_held_s, 6))
 
 # %% ../nbs/10b_web.ipynb
@@ -208,7 +212,7 @@ class SecurityHeaders:
 page_router = APIRouter()
 
 @page_router.get("/", include_in_schema=False)
-async def page(): return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+async def index_page(): return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
 # %% ../nbs/10b_web.ipynb
 def mount_web(app: FastAPI, page: bool = True, interval: float = 0.25, max_viewers: int = 16) -> FastAPI:

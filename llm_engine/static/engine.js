@@ -73,10 +73,13 @@ function drawQueues(f) {
     }));
     if (f.counts[name] > items.length) { const li = document.createElement("li"); li.textContent = `… ${f.counts[name] - items.length} more`; ol.append(li); }
   }
-  const now = new Set(Object.values(f.queues).flat().map((s) => s.request_id));
-  for (const id of lastIds) if (!now.has(id)) recent = [id, ...recent.filter((r) => r !== id)].slice(0, RECENT);
-  lastIds = now;
-  $("q-recent").replaceChildren(...recent.map((id) => { const li = document.createElement("li"); li.append(requestButton(id, ` ${short(id)}`)); return li; }));
+  if (f.finished) recent = f.finished.map(([id, step, why]) => [id, ` ${short(id)} · ${why}`]);   // from the trace
+  else {                            // no trace on the server: the requests this page saw leave the queues
+    const now = new Set(Object.values(f.queues).flat().map((s) => s.request_id));
+    for (const id of lastIds) if (!now.has(id)) recent = [[id, ` ${short(id)}`], ...recent.filter((r) => r[0] !== id)].slice(0, RECENT);
+    lastIds = now;
+  }
+  $("q-recent").replaceChildren(...recent.map(([id, label]) => { const li = document.createElement("li"); li.append(requestButton(id, label)); return li; }));
 }
 
 function spark(id, xs) {
