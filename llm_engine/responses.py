@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from .protocol import APIError, bad_request, ChatCompletionRequest, check_supported as _check_chat
 from .api import (_ctx, _params, chat_prompt_ids, prepare, start_all, until_done, ClientGone, EventStream, Cursor,
                             _chain, usage, output_error, tools_active)
-from .tool_parsers import parse_tool_calls, ToolCallStreamParser
+from fastcore.basics import patch
+from .tool_parsers import parse_tool_calls, ToolCallStreamParser, ToolCall, StreamDelta
 
 # %% auto 0
 __all__ = ['OFF', 'router', 'ResponsesRequest', 'check_request', 'input_messages', 'chat_tools', 'chat_tool_choice',
@@ -204,8 +205,6 @@ class EventWriter:
                 self.ev("response.output_item.done", output_index=k, item=it)]
 
 # %% ../nbs/10a_responses.ipynb
-from fastcore.basics import patch
-
 @patch
 def text(self: EventWriter, delta: str, final=False) -> list[str]:
     "Events for new text; whitespace alone waits (it may only separate calls)."
@@ -227,7 +226,6 @@ def call(self: EventWriter, d) -> list[str]:
     if d.id is not None:
         self.pending = ""
         out += self.close()
-        from llm_engine.tool_parsers import ToolCall
         self.open = it = call_item(ToolCall(d.name, "", d.id), status="in_progress")
         out.append(self.ev("response.output_item.added", output_index=len(self.items), item=dict(it)))
     if d.arguments:
@@ -249,7 +247,7 @@ async def response_stream(ctx, req: ResponsesRequest, chat, rid, created, convo,
             c = out.outputs[0]
             if not (step := cur.advance(c)): continue
             new, done = step[0], step[3]
-            deltas = (parser.feed(new) + (parser.finish(c.finish_reason == "length") if done else [])) if parser else [type("D", (), {"content": new, "tool_calls": []})]
+            deltas = (parser.feed(new) + (parser.finish(c.finish_reason == "length") if done else [])) if parser else [StreamDelta(content=new)]
             for d in deltas:
                 for ev in (w.text(d.content) if d.content is not None else [e for t in d.tool_calls for e in w.call(t)]): yield ev
         for ev in w.text("", final=True) + w.close(): yield ev
