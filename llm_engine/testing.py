@@ -4,13 +4,13 @@
 
 # %% ../nbs/05a_testing.ipynb 3
 from __future__ import annotations
-import socket, subprocess, time
+import json, socket, subprocess, time
 from pathlib import Path
 import torch
 from .model import resolve_model, load_tokenizer
 
 # %% auto 0
-__all__ = ['TINY_FAMILIES', 'make_tiny_model', 'make_tiny_family', 'ServerProcess']
+__all__ = ['TINY_FAMILIES', 'GGUF_ARCHS', 'make_tiny_model', 'make_tiny_family', 'write_tiny_gguf', 'ServerProcess']
 
 # %% ../nbs/05a_testing.ipynb
 def make_tiny_model(out_dir, seed=0, layers=2, hidden=64, heads=4, kv_heads=2, max_pos=2048) -> Path:
@@ -35,7 +35,7 @@ def _tiny_families() -> dict:
     longrope = dict(rope_type="longrope", short_factor=[1.0 + i / 8 for i in range(8)], long_factor=[2.0 + i / 4 for i in range(8)])
     return {   # family -> (config class, its fields); a window of 8 tokens so that short prompts cross it
         "llama3":  (LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2, rope_scaling=llama3, rope_theta=5e5)),
-        "qwen2":   (Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)),
+        "qwen2":   (Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2)),
         "qwen3":   (Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
         "mistral": (MistralConfig, dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8, sliding_window=8, tie_word_embeddings=False)),
         "gemma2":  (Gemma2Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
@@ -47,8 +47,8 @@ def _tiny_families() -> dict:
     }
 TINY_FAMILIES = ("llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")
 
-def make_tiny_family(out_dir, family: str, seed=0, layers=4, hidden=64, shards=1) -> Path:
-    "A random model of `family` (one of `TINY_FAMILIES`) built with its transformers config class, saved with the embedded tokenizer."
+def make_tiny_family(out_dir, family: str, seed=0, layers=4, hidden=64, shards=1, **config) -> Path:
+    "A random model of `family` (one of `TINY_FAMILIES`) built with its transformers config class (`config` overrides fields), saved with the embedded tokenizer."
     from transformers import AutoModelForCausalLM
     out = Path(out_dir)
     if (out / "config.json").exists(): return out
@@ -57,6 +57,7 @@ def make_tiny_family(out_dir, family: str, seed=0, layers=4, hidden=64, shards=1
     kw = dict(dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                    max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2, eos_token_id=tok.eos_token_id,
                    bos_token_id=tok.bos_token_id, pad_token_id=tok.eos_token_id), **kw)
+    kw.update(config)
     torch.manual_seed(seed)
     m = AutoModelForCausalLM.from_config(cls(**kw))
     with torch.no_grad():     # Gemma's norms start at zero (a weight of 1): random ones make the test of the +1 bite
@@ -64,6 +65,49 @@ def make_tiny_family(out_dir, family: str, seed=0, layers=4, hidden=64, shards=1
             if "norm" in n: p.normal_(0.0 if kw.get("model_type", cls.model_type).startswith("gemma") else 1.0, 0.2)
     m.save_pretrained(out, max_shard_size=f"{max(1, m.num_parameters() * 4 // shards // 1000 + 1)}KB" if shards > 1 else "50GB")
     tok.save_pretrained(out)
+    return out
+
+# %% ../nbs/05a_testing.ipynb
+GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+
+def _llama_cpp_order(w, heads):
+    "llama.cpp's converter stores a llama-architecture q or k matrix with each head's two rotary halves interleaved."
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+def write_tiny_gguf(folder, out, qtype="F32") -> Path:
+    "Write the Hugging Face model in `folder` as a GGUF file laid out as llama.cpp's converter does (F32 or Q8_0 matrices), with the embedded model's tokenizer."
+    import gguf, numpy as np
+    from safetensors.torch import load_file
+    from llm_engine.model import default_gguf_path, weight_files
+    folder, out = Path(folder), Path(out)
+    c = json.loads((folder / "config.json").read_text())
+    arch, n, hd = GGUF_ARCHS[c["model_type"]], c["num_hidden_layers"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    w = gguf.GGUFWriter(out, arch)
+    w.add_name("mistral-tiny" if c["model_type"] == "mistral" else folder.name)    # transformers tells Mistral from Llama by name
+    for f, v in [("context_length", c["max_position_embeddings"]), ("embedding_length", c["hidden_size"]), ("block_count", n),
+                 ("feed_forward_length", c["intermediate_size"]), ("head_count", c["num_attention_heads"]),
+                 ("head_count_kv", c["num_key_value_heads"]), ("layer_norm_rms_eps", c["rms_norm_eps"]), ("key_length", hd),
+                 ("value_length", hd), ("rope_dimension_count", hd), ("vocab_size", c["vocab_size"]),
+                 ("rope_freq_base", (c.get("rope_parameters") or {}).get("rope_theta") or (c.get("rope_parameters") or {}).get("full_attention", {}).get("rope_theta") or 1e4),
+                 ("sliding_window", c.get("sliding_window")), ("attn_logit_softcapping", c.get("attn_logit_softcapping")),
+                 ("final_logit_softcapping", c.get("final_logit_softcapping"))]:
+        if v is not None: getattr(w, f"add_{f}")(v)
+    tok = gguf.GGUFReader(default_gguf_path())
+    for k, f in tok.fields.items():
+        if k.startswith("tokenizer."): w.add_key_value(k, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    names = gguf.get_tensor_name_map(next(a for a, s in gguf.MODEL_ARCH_NAMES.items() if s == arch), n)
+    q8 = qtype == "Q8_0"
+    for f in weight_files(folder):
+        for k, t in load_file(f).items():
+            base, suffix = k.rsplit(".", 1)
+            name, t = names.get_name(base) + "." + suffix, t.float().numpy()
+            if arch == "llama" and base.endswith(("q_proj", "k_proj")):
+                t = _llama_cpp_order(t, c["num_attention_heads"] if base.endswith("q_proj") else c["num_key_value_heads"])
+            if arch.startswith("gemma") and "norm" in name: t = t + 1      # llama.cpp stores Gemma's norm weights as 1 + w
+            if q8 and t.ndim == 2 and t.shape[1] % 32 == 0:
+                w.add_tensor(name, gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            else: w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return out
 
 # %% ../nbs/05a_testing.ipynb
