@@ -237,11 +237,12 @@ def main(argv=None):
     p.add_argument("--host", default="127.0.0.1"); p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key"); p.add_argument("--log-level", default="warning")
     p.add_argument("--no-web-ui", action="store_true", help="only the state stream, no page")
+    p.add_argument("--web-interval", type=float, default=0.25, help="seconds between two frames of the state stream")
     for cls, title in ((EngineConfig, "engine"), (CacheConfig, "KV cache"), (SchedulerConfig, "scheduler")): add_config_args(p, cls, title)
     a = p.parse_args(argv)
     kw = {k: v for cls in (EngineConfig, CacheConfig, SchedulerConfig) for k, v in config_kw(a, cls).items()}
     aeng = AsyncLLMEngine(EngineConfig.create(**kw)).start()
-    app = mount_web(build_app(aeng, api_key=a.api_key), page=not a.no_web_ui)
+    app = mount_web(build_app(aeng, api_key=a.api_key), page=not a.no_web_ui, interval=a.web_interval)
     print(f"llm_engine: the page is on http://{a.host}:{a.port}/", flush=True)
     _WebServer(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=10)).run()
 

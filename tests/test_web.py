@@ -38,7 +38,7 @@ def start(tiny, *args):
 
 @pytest.fixture
 def server(tiny, browser):
-    with start(tiny, "--num-blocks", "256", "--max-num-seqs", "8") as s:
+    with start(tiny, "--num-blocks", "256", "--max-num-seqs", "8", "--web-interval", "0.1") as s:   # 10 frames a second
         yield s
         browser.get("about:blank")                  # the page leaves before its server stops
 
@@ -95,16 +95,17 @@ def test_page_loads_without_console_errors(browser, server):
 
 def test_chat_answer_streams_in(browser, server):
     open_page(browser, server)
-    m = ask(browser, "first line\nsecond line", max_tokens=48)
+    browser.execute_script("""               // every render of the answer, however fast it streams
+        window.renders = [];
+        new MutationObserver(() => { const b = [...document.querySelectorAll('.msg.assistant .body')].pop();
+                                     if (b) window.renders.push([b.parentNode.dataset.state, b.textContent]); })
+          .observe(document.getElementById('messages'), {childList: true, subtree: true, attributes: true});""")
+    m = ask(browser, "first line\nsecond line", max_tokens=96)
     assert browser.find_elements("css selector", ".msg.user")[-1].text == "first line\nsecond line"   # Shift+Enter: a newline
-    seen = []
-    while m.get_attribute("data-state") != "done":
-        body = m.find_element("css selector", ".body").text
-        if m.get_attribute("data-state") == "streaming" and body and body not in seen: seen.append(body)
-        assert m.get_attribute("data-state") in (None, "streaming", "done"), m.text
-        time.sleep(0.05)
-    final = m.find_element("css selector", ".body").text
-    assert len(seen) >= 2 and all(final.startswith(s.rstrip()) for s in seen), seen   # it grew, piece by piece
+    wait_for(lambda: m.get_attribute("data-state") == "done", "the whole answer", 120)
+    final = browser.execute_script("return document.querySelector('.msg.assistant:last-child .body').textContent")
+    partial = list(dict.fromkeys(t for state, t in browser.execute_script("return window.renders") if state == "streaming" and t))
+    assert len(partial) >= 2 and all(final.startswith(t) for t in partial), partial            # it grew, piece by piece
     assert re.search(r"(length|stop) · \d+ tokens", m.find_element("css selector", ".meta").text)
     assert errors(browser) == []
 
@@ -124,7 +125,7 @@ def test_stop_aborts_the_request_on_the_server(browser, server):
 
 def client(base, i, system, results):
     body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}: what is {i} + {i}?"}],
-            "max_tokens": 24 + 4 * i, "ignore_eos": True, "stream": True}
+            "max_tokens": 64 + 8 * i, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=300) as r:
         results[i] = sum(1 for l in r.iter_lines() if l.startswith("data: {"))
 
