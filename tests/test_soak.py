@@ -22,3 +22,5 @@ def test_soak_short():
     assert res.completed >= 50 and res.dropped > 0 and res.completed + res.rejected + res.dropped == res.sent
     assert "Traceback" not in log, log[log.index("Traceback"):][:2000]
     assert res.rss_warm is not None and res.growth_pct < 10, res.rss_samples
+    # /v1/stats and /metrics were read every second while the step thread wrote what they report: all answered 200
+    assert res.polls >= 20 and res.poll_errors == 0 and res.server_errors == 0, res.poll_error_examples

@@ -22,7 +22,13 @@ BASE_BODY = {"/v1/completions": {"prompt": "hello there", "max_tokens": 4},
              "/v1/chat/completions": {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}}
 EXTREMES = [0, -0.0, 1, -1, 0.5, -2.5, 4e-203, -4e-203, 5e-324, -5e-324, 1e-45, 1e-8, 1e38, 1e308, -1e308,
             1.7976931348623157e308, 2**31, 2**53 + 1, 2**63 - 1, 2**63, -2**63, 2**64, 10**30, -10**30,
-            math.nan, math.inf, -math.inf]
+            math.nan, math.inf, -math.inf,
+            # float32's edges: finite in JSON and float64, infinite or zero in the float32 the sampler uses
+            1.7e306, 3.5e38, 3.4e38, -3.5e38, 1.3e-15, 1.2e-38, 1e-40, -1e-40]
+# fields whose pairs broke the sampler once (temperature 1.7e306 with repetition_penalty 1.3e-15): every pair of them
+# at every float32 edge is a case of its own
+PAIR_FIELDS = ["temperature", "repetition_penalty", "top_p", "min_p", "presence_penalty", "frequency_penalty"]
+PAIR_VALUES = [1.7e306, 3.5e38, 3e38, 1.3e-15, 1e-40, 5e-324, 1.5e-5]
 
 # ---- cases: (method, path, raw body bytes or None, what made it)
 
@@ -55,17 +61,28 @@ def extreme_cases(openapi: dict) -> list[Case]:
                     out.append(Case("POST", route, _dumps({**BASE_BODY[route], f: v, "stream": stream}), f"extreme:{f}"))
     return out
 
+def pair_cases() -> list[Case]:
+    "Two of `PAIR_FIELDS` at float32 edges at once, with a logit_bias, on both routes."
+    out = []
+    for route, body in BASE_BODY.items():
+        for i, f in enumerate(PAIR_FIELDS):
+            for g in PAIR_FIELDS[i + 1:]:
+                for v in PAIR_VALUES:
+                    for w in PAIR_VALUES:
+                        out.append(Case("POST", route, _dumps({**body, f: v, g: w, "logit_bias": {"5": -100}}), f"pair:{f}+{g}"))
+    return out
+
 def hypothesis_cases(openapi: dict, n: int, seed=0) -> list[Case]:
     "Random bodies that set several numeric fields at once, to extreme floats, NaN, infinities or big integers."
-    from hypothesis import given, settings, strategies as st, HealthCheck, Phase
+    from hypothesis import given, settings, strategies as st, HealthCheck, Phase, seed as hseed
     fields = numeric_fields(openapi)
     num = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(EXTREMES),
                     st.integers(-2**70, 2**70), st.floats(-3, 3), st.integers(-2, 40))
     strat = st.sampled_from(sorted(fields)).flatmap(lambda route: st.tuples(
         st.just(route), st.dictionaries(st.sampled_from(fields[route]), num, min_size=1, max_size=5), st.booleans()))
     out = []
-    @settings(max_examples=n, database=None, deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck),
-              derandomize=True)
+    @settings(max_examples=n, database=None, deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @hseed(seed)
     @given(strat)
     def collect(t):
         route, nums, stream = t
@@ -74,11 +91,11 @@ def hypothesis_cases(openapi: dict, n: int, seed=0) -> list[Case]:
     random.Random(seed).shuffle(out)
     return out[:n]
 
-def schemathesis_cases(base: str, n: int) -> list[Case]:
+def schemathesis_cases(base: str, n: int, seed=0) -> list[Case]:
     "Valid and invalid requests for every route in the served OpenAPI schema, drawn by schemathesis."
     import schemathesis
     from schemathesis.generation import GenerationMode
-    from hypothesis import given, settings, HealthCheck, Phase
+    from hypothesis import given, settings, HealthCheck, Phase, seed as hseed
     from hypothesis.errors import Unsatisfiable
     schema = schemathesis.openapi.from_url(base + "/openapi.json")
     ops = [r.ok() for r in schema.get_all_operations()]
@@ -87,8 +104,8 @@ def schemathesis_cases(base: str, n: int) -> list[Case]:
     for op in ops:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             k = max(2, n * weights[op] // total // 2)
-            @settings(max_examples=k, database=None, deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck),
-                      derandomize=True)
+            @settings(max_examples=k, database=None, deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+            @hseed(seed)
             @given(op.as_strategy(mode))
             def collect(case):
                 kw = case.as_transport_kwargs(base_url="")
@@ -149,14 +166,15 @@ async def _send_all(base, cases, concurrency, timeout, res: FuzzResult):
     res.by_source = dict(source)
 
 def run_fuzz(base, n=3000, log_text=None, concurrency=8, timeout=60, seed=0) -> FuzzResult:
-    "About `n` cases: a fifth extreme-float grid (capped), the rest split between schemathesis and hypothesis."
+    """About `n` cases: a fifth extreme-float grid (capped), a tenth float32-edge pairs, the rest split between schemathesis
+    and hypothesis; `seed` changes which are drawn."""
     t0 = time.perf_counter()
     openapi = httpx.get(base + "/openapi.json", timeout=30).json()
-    grid = extreme_cases(openapi)
-    random.Random(seed).shuffle(grid)
-    grid = grid[:max(n // 5, min(len(grid), n // 3))]
+    grid, pairs = extreme_cases(openapi), pair_cases()
+    random.Random(seed).shuffle(grid); random.Random(seed).shuffle(pairs)
+    grid = grid[:max(n // 5, min(len(grid), n // 3))] + pairs[:n // 10]
     rest = n - len(grid)
-    schema_cases = schemathesis_cases(base, rest // 2)
+    schema_cases = schemathesis_cases(base, rest // 2, seed)
     cases = grid + schema_cases + hypothesis_cases(openapi, n - len(grid) - len(schema_cases), seed)
     random.Random(seed + 1).shuffle(cases)
     res = FuzzResult()

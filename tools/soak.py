@@ -2,11 +2,14 @@
 generation routes, n > 1, stop strings, logprobs, and clients that drop mid-stream. Bounded in time.
 
 It prints requests sent / completed / rejected / dropped (on purpose) / lost, KV blocks leaked after the run, and the
-server's RSS at start, after warm-up and at the end, with the growth after warm-up in percent.
+server's RSS at start, after warm-up and at the end, with the growth after warm-up in percent. Meanwhile `/v1/stats` and
+`/metrics` are read every second (`--poll 1`): any answer but a 200 is counted. With `--halves` the requests run in two
+halves, each followed by settling (the engine idle, a malloc_trim interval passed); the RSS after each is compared.
 
     python tools/soak.py                          # 10,000 requests on the tiny random model, 24 clients
     python tools/soak.py --requests 2000 --time-limit 300 --json out.json
     python tools/soak.py --url http://127.0.0.1:8000   # against a server that is already running
+    python tools/soak.py --requests 2000 --halves --max-growth 3   # RSS after the second half within 3% of the first
 
 The helpers here (`LoggedServer`, `rss_mib`, `settle`, `run_soak`) are used by `tests/test_soak.py` and the other
 reliability tests.
@@ -99,12 +102,21 @@ class SoakResult:
     growth_pct: float|None = None
     rss_samples: list = field(default_factory=list)   # (seconds since start, requests done, MiB)
     time_limited: bool = False
+    server_errors: int = 0   # generation answers with a 5xx status (also counted in `lost`)
+    polls: int = 0           # /v1/stats and /metrics reads during the run
+    poll_errors: int = 0     # of those, answers other than 200 (or no answer)
+    poll_error_examples: list = field(default_factory=list)
+    rss_halves: list = field(default_factory=list)   # MiB after each half settled (`run_halves`)
+    halves_growth_pct: float|None = None
     def line(self) -> str:
         mib = lambda v: "?" if v is None else f"{v:.0f}"
         return (f"soak: {self.sent} sent, {self.completed} completed, {self.rejected} rejected, {self.dropped} dropped by the client, "
                 f"{self.lost} lost; {self.blocks_leaked} KV blocks leaked; RSS start {mib(self.rss_start)} MiB, after warm-up "
                 f"{mib(self.rss_warm)} MiB, end {mib(self.rss_end)} MiB (peak {mib(self.rss_peak)}), growth after warm-up "
-                f"{'?' if self.growth_pct is None else f'{self.growth_pct:+.1f}'}%; {self.seconds:.0f} s{' (time limit hit)' if self.time_limited else ''}")
+                f"{'?' if self.growth_pct is None else f'{self.growth_pct:+.1f}'}%; {self.server_errors} 5xx; {self.polls} stats/metrics "
+                f"reads, {self.poll_errors} failed" + (f"; RSS after each half settled {' / '.join(f'{m:.0f}' for m in self.rss_halves)} MiB, "
+                f"{self.halves_growth_pct:+.1f}%" if self.halves_growth_pct is not None else "") +
+                f"; {self.seconds:.0f} s{' (time limit hit)' if self.time_limited else ''}")
 
 def _is_error_json(text):
     try: e = json.loads(text)["error"]; return isinstance(e.get("message"), str) and bool(e["message"])
@@ -121,13 +133,13 @@ async def _one(c: httpx.AsyncClient, req: dict, res: SoakResult):
             elif 400 <= r.status_code < 500 or r.status_code == 503:
                 if _is_error_json(r.text): res.rejected += 1
                 else: lose(f"{r.status_code} without error JSON")
-            else: lose(f"status {r.status_code} {r.text[:200]}")
+            else: res.server_errors += r.status_code >= 500; lose(f"status {r.status_code} {r.text[:200]}")
             return
         async with c.stream("POST", req["path"], json=req["body"]) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 if (400 <= r.status_code < 500 or r.status_code == 503) and _is_error_json(text): res.rejected += 1
-                else: lose(f"status {r.status_code} {text[:200]}")
+                else: res.server_errors += r.status_code >= 500; lose(f"status {r.status_code} {text[:200]}")
                 return
             chunks, done = 0, False
             async for line in r.aiter_lines():
@@ -140,7 +152,7 @@ async def _one(c: httpx.AsyncClient, req: dict, res: SoakResult):
             else: lose(f"stream ended without [DONE] after {chunks} chunks")
     except (httpx.HTTPError, ValueError) as e: lose(f"{type(e).__name__}: {e}")
 
-async def _soak(base, pid, n, concurrency, time_limit, warmup, seed, sample_every, warm_time):
+async def _soak(base, pid, n, concurrency, time_limit, warmup, seed, sample_every, warm_time, poll_every=1.0):
     res = SoakResult()
     t0, next_i, done = time.perf_counter(), 0, 0
     res.rss_start = rss_mib(pid) if pid else None
@@ -164,17 +176,30 @@ async def _soak(base, pid, n, concurrency, time_limit, warmup, seed, sample_ever
                 if el > time_limit: res.time_limited = True; stop.set(); break
                 try: await asyncio.wait_for(stop.wait(), sample_every)
                 except asyncio.TimeoutError: pass
-        w = asyncio.create_task(watch())
+        async def poll():      # what a dashboard does: the engine's numbers read while the step thread writes them
+            while poll_every and not stop.is_set():
+                for path in ("/v1/stats", "/metrics"):
+                    try: ok = (await c.get(path)).status_code == 200; why = "status"
+                    except httpx.HTTPError as e: ok, why = False, f"{type(e).__name__}: {e}"
+                    res.polls += 1
+                    if not ok:
+                        res.poll_errors += 1
+                        if len(res.poll_error_examples) < 10: res.poll_error_examples.append(f"{path}: {why}")
+                try: await asyncio.wait_for(stop.wait(), poll_every)
+                except asyncio.TimeoutError: pass
+        w, p = asyncio.create_task(watch()), asyncio.create_task(poll())
         await asyncio.gather(*[client() for _ in range(concurrency)])
-        stop.set(); await w
+        stop.set(); await w; await p
     res.seconds = time.perf_counter() - t0
     return res
 
-def run_soak(base, pid=None, requests=10_000, concurrency=24, time_limit=900, warmup=None, seed=0, sample_every=2.0) -> SoakResult:
+def run_soak(base, pid=None, requests=10_000, concurrency=24, time_limit=900, warmup=None, seed=0, sample_every=2.0,
+             poll_every=1.0) -> SoakResult:
     """Drive the soak against `base`; `pid` is the server's process id (for RSS). Warm-up ends after the first `warmup`
-    requests (default 20%) or 40% of the time limit, whichever comes first."""
+    requests (default 20%) or 40% of the time limit, whichever comes first. `/v1/stats` and `/metrics` are read every
+    `poll_every` seconds (0: never)."""
     warmup = warmup or max(1, requests // 5)
-    res = asyncio.run(_soak(base, pid, requests, concurrency, time_limit, warmup, seed, sample_every, 0.4 * time_limit))
+    res = asyncio.run(_soak(base, pid, requests, concurrency, time_limit, warmup, seed, sample_every, 0.4 * time_limit, poll_every))
     s = settle(base)
     res.blocks_leaked = s["kv_blocks_used"]
     if pid:
@@ -182,6 +207,24 @@ def run_soak(base, pid=None, requests=10_000, concurrency=24, time_limit=900, wa
         res.rss_end = rss_mib(pid)
         res.rss_peak = max([m for *_, m in res.rss_samples] + [res.rss_end])
         res.growth_pct = 100 * (res.rss_end - res.rss_warm) / res.rss_warm
+    return res
+
+def run_halves(base, pid, requests=10_000, concurrency=24, time_limit=900, seed=0, settle_s=12.0, poll_every=1.0) -> SoakResult:
+    """The soak in two halves (different requests, same mix), each followed by settling: the engine idle, then `settle_s`
+    seconds (longer than the engine's malloc_trim interval) before reading RSS. `halves_growth_pct` compares the two."""
+    def half(k):
+        r = run_soak(base, pid, requests // 2, concurrency, time_limit / 2, seed=seed * 2 + k, poll_every=poll_every)
+        time.sleep(settle_s)
+        return r, rss_mib(pid)
+    (a, m1), (b, m2) = half(0), half(1)
+    res = SoakResult(**{k: getattr(a, k) + getattr(b, k) for k in ("sent", "completed", "rejected", "dropped", "lost", "seconds",
+                                                                   "server_errors", "polls", "poll_errors")})
+    res.lost_examples, res.poll_error_examples = a.lost_examples + b.lost_examples, a.poll_error_examples + b.poll_error_examples
+    res.blocks_leaked, res.time_limited = max(a.blocks_leaked, b.blocks_leaked), a.time_limited or b.time_limited
+    res.rss_start, res.rss_warm, res.rss_end = a.rss_start, a.rss_warm, b.rss_end
+    res.rss_peak, res.growth_pct = max(a.rss_peak, b.rss_peak), 100 * (b.rss_end - a.rss_warm) / a.rss_warm
+    res.rss_samples = a.rss_samples + [(t + a.seconds + settle_s, d + a.sent, m) for t, d, m in b.rss_samples]
+    res.rss_halves, res.halves_growth_pct = [m1, m2], 100 * (m2 - m1) / m1
     return res
 
 def main(argv=None):
@@ -196,7 +239,9 @@ def main(argv=None):
     ap.add_argument("--server-args", default="--num-blocks 1024 --max-num-seqs 32 --max-model-len 512",
                     help="extra arguments for `llm-engine serve`")
     ap.add_argument("--log", default=None, help="server log file"); ap.add_argument("--json", default=None, help="write the result here")
-    ap.add_argument("--max-growth", type=float, default=None, help="exit 1 if RSS grows more than this %% after warm-up")
+    ap.add_argument("--max-growth", type=float, default=None, help="exit 1 if RSS grows more than this %% after warm-up (between the halves with --halves)")
+    ap.add_argument("--halves", action="store_true", help="two halves, RSS compared after each settles")
+    ap.add_argument("--poll", type=float, default=1.0, help="read /v1/stats and /metrics every this many seconds (0: never)")
     a = ap.parse_args(argv)
     srv = None
     if a.url: base, pid = a.url, a.pid
@@ -204,16 +249,21 @@ def main(argv=None):
         srv = LoggedServer("--model", a.model or tiny_model(), "--log-level", "warning", *shlex.split(a.server_args), log=a.log)
         base, pid = srv.base, srv.proc.pid
         print(f"server pid {pid} on {base}, log {srv.log}", flush=True)
-    try: res = run_soak(base, pid, a.requests, a.concurrency, a.time_limit, a.warmup, a.seed)
+    try:
+        res = (run_halves(base, pid, a.requests, a.concurrency, a.time_limit, a.seed, poll_every=a.poll) if a.halves else
+               run_soak(base, pid, a.requests, a.concurrency, a.time_limit, a.warmup, a.seed, poll_every=a.poll))
     finally:
         rc = srv.stop() if srv else None
     print(res.line())
     for ex in res.lost_examples: print("  lost:", ex)
+    for ex in res.poll_error_examples: print("  stats/metrics failed:", ex)
     if srv:
         log = srv.log_text()
         print(f"server exit code {rc}; log {len(log.splitlines())} lines, {log.count('Traceback')} tracebacks")
     if a.json: Path(a.json).write_text(json.dumps(asdict(res), indent=1))
-    ok = res.lost == 0 and res.blocks_leaked == 0 and (a.max_growth is None or res.growth_pct is None or res.growth_pct < a.max_growth)
+    growth = res.halves_growth_pct if a.halves else res.growth_pct
+    ok = (res.lost == 0 and res.blocks_leaked == 0 and res.poll_errors == 0 and
+          (a.max_growth is None or growth is None or growth < a.max_growth))
     return 0 if ok else 1
 
 if __name__ == "__main__": sys.exit(main())
