@@ -13,7 +13,7 @@ __all__ = ['OFFLINE_COLS', 'HTTP_COLS', 'WORDS', 'OV_RUNNER', 'PEER_COLS', 'OURS
            'make_workload', 'bench_hf_sequential', 'bench_hf_static', 'bench_engine', 'run_benchmark', 'format_table',
            'main', 'bench_http_text', 'bench_http', 'llama_cpp_available', 'run_http_sweep', 'plot_sweep',
            'TextRequest', 'make_text_workload', 'Peer', 'peers_dir', 'run_offline_peer', 'find_peers',
-           'run_http_system', 'PeerRow', 'format_peer_table', 'run_peers', 'plot_peers', 'peers_main',
+           'run_http_system', 'PeerRow', 'format_peer_table', 'run_peers', 'plot_peers', 'our_rows', 'peers_main',
            'bench_structured']
 
 # %% ../nbs/12_benchmarks.ipynb
@@ -108,6 +108,7 @@ def main(argv=None):
     ap.add_argument("--peers", action="store_true", help="llm_engine against llama.cpp, OpenVINO GenAI and vLLM, whichever are installed in --peers-dir")
     ap.add_argument("--peers-dir", default=None, help="with --peers: the peers folder (default: $LLM_ENGINE_PEERS, else ~/.cache/llm_engine/peers; tools/setup_peers.sh builds it)")
     ap.add_argument("--only", default=None, help="with --peers: comma-separated parts of peer names to run, e.g. 'llama,openvino'")
+    ap.add_argument("--ours", default=None, help="with --peers: which of llm_engine's rows to run, e.g. 'fp32,bf16,q4' (default: all of fp32, bf16, int8, q4, w8a8)")
     ap.add_argument("--threads", type=int, default=2, help="with --peers: threads for every system")
     ap.add_argument("--no-http", action="store_true", help="skip the HTTP servers and the concurrency sweep")
     ap.add_argument("--structured", action="store_true", help="only the cost of constrained decoding at batch 32 (free vs JSON Schema)")
@@ -500,11 +501,19 @@ def plot_peers(res, axes=None, title=None):
     return axes
 
 # %% ../nbs/12_benchmarks.ipynb
+def our_rows(keys: str|None = None) -> tuple:
+    "The rows of `OURS` named by `keys` ('fp32,q4': the last word of each row's name, fp32 for the plain one); all of them by default."
+    key = lambda name: name.split()[-1] if " " in name else "fp32"
+    if not keys: return OURS
+    want = [k.strip() for k in keys.split(",") if k.strip()]
+    if bad := [k for k in want if k not in {key(n) for n, *_ in OURS}]: raise SystemExit(f"--ours: unknown rows {bad}; choose from fp32, bf16, int8, q4, w8a8")
+    return tuple(o for o in OURS if key(o[0]) in want)
+
 def peers_main(a) -> int:
     "`llm-engine bench --peers` (arguments parsed by `main`): the table, then the JSON and its picture at `--out`."
     if a.model: raise SystemExit("--peers runs the embedded default model (every peer is built from it); drop --model")
     kw = dict(n=4, max_tokens=8) if a.quick else dict(n=a.requests)
-    res = run_peers(threads=a.threads, seed=a.seed, path=a.peers_dir, only=a.only and a.only.split(","), **kw)
+    res = run_peers(threads=a.threads, seed=a.seed, path=a.peers_dir, only=a.only and a.only.split(","), ours=our_rows(a.ours), **kw)
     res["workload"]["quick"] = a.quick
     print(res["machine"]); print(format_peer_table(res))
     out = Path(a.out or "bench_results/peers.json"); out.parent.mkdir(parents=True, exist_ok=True)
