@@ -39,9 +39,9 @@ def _tiny_families() -> dict:
         "qwen3":   (Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
         "mistral": (MistralConfig, dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8, sliding_window=8, tie_word_embeddings=False)),
         "gemma2":  (Gemma2Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
-                                       sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=10.0)),
+                                       sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=10.0, tie_word_embeddings=False)),
         "gemma3":  (Gemma3TextConfig, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
-                                           sliding_window=8, layer_types=["sliding_attention"] * 3 + ["full_attention"])),
+                                           sliding_window=8, layer_types=["sliding_attention"] * 3 + ["full_attention"], tie_word_embeddings=False)),
         "phi3":    (Phi3Config, dict(num_attention_heads=4, num_key_value_heads=4, rope_scaling=longrope, max_position_embeddings=128,
                                      original_max_position_embeddings=32, tie_word_embeddings=False)),
     }

@@ -98,8 +98,9 @@ def test_sharded_folder_and_errors(root, prompt_ids, tmp_path, model_cache):
     with pytest.raises(ValueError, match=r"config.json: Unsupported architecture: model_type='falcon'.*Gemma 2.*Phi-3"): LLM(model=str(nofield))
     assert sorted(cache.iterdir()) == before           # nothing left in the cache by the failures
 
-# what a GGUF file can hold: llama.cpp's scale (query_pre_attn_scalar = head_dim), its Gemma 3 layer pattern, no rope_scaling of these kinds
-GGUF_FIELDS = dict(llama3=dict(rope_scaling=None), gemma2=dict(query_pre_attn_scalar=32), gemma3=dict(query_pre_attn_scalar=32, layer_types=None),
+# what a GGUF file can hold: llama.cpp's scale (query_pre_attn_scalar = head_dim), its Gemma 3 layer pattern, Gemma's tied head, no rope_scaling of these kinds
+GGUF_FIELDS = dict(llama3=dict(rope_scaling=None), gemma2=dict(query_pre_attn_scalar=32, tie_word_embeddings=True),
+                   gemma3=dict(query_pre_attn_scalar=32, layer_types=None, tie_word_embeddings=True),
                    phi3=dict(rope_scaling=None))
 
 @pytest.mark.parametrize("fam", TINY_FAMILIES)
