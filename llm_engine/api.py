@@ -49,6 +49,7 @@ class ServerConfig:
     log_level: str = "info"
     replicas: int = 1                      # engine replicas behind one endpoint on Ray Serve (chapter 11c; pip install ".[ray]")
     ray_address: str|None = None           # join this Ray cluster ("auto", "HOST:6379") instead of starting one
+    web_ui: bool = True                    # the page at / (chat, the engine live: chapter 10b); /v1/debug/state stays
 
 # %% ../nbs/10_api.ipynb
 def clean_model_name(name: str) -> str:
@@ -199,7 +200,7 @@ async def start(ctx: ServerContext, ids, params, priority, param, request_id=Non
         await asyncio.to_thread(ctx.engine.structured.compile, params.structured_outputs)
     gen = ctx.aeng.generate(ids, params, request_id=request_id or f"req-{uuid.uuid4().hex}", priority=priority)
     try: first = await gen.__anext__()
-    except ValueError as e: raise bad_request(param, str(e)) from None
+    except ValueError as e: raise bad_request(getattr(e, "param", param), str(e)) from None   # a field SamplingParams names
     except QueueFull as e: raise APIError(503, str(e), "server_overloaded", code="queue_full") from None
     return first, gen
 
@@ -674,5 +675,7 @@ import uvicorn
 
 class _Server(uvicorn.Server):
     async def shutdown(self, sockets=None):
+        # an open page's state stream (chapter 10b) ends now, not at the graceful-shutdown timeout
+        if (hub := getattr(self.config.app.state, "web_hub", None)) is not None: hub.closing = True
         await super().shutdown(sockets)
         self._captured_signals.clear()   # SIGTERM is the normal way to stop a server: exit 0 rather than re-raise it

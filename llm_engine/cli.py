@@ -33,6 +33,7 @@ HELP = {
     "enforce_eager": "no CUDA graphs: run every step eagerly (graphs are recorded only on CUDA; a no-op on CPU and MPS)",
     "scheduling_policy": "which waiting request of a priority starts first: fcfs (arrival) or sjf (shortest prompt; earlier first tokens when many arrive at once)",
     "sjf_max_wait": "under sjf, seconds after which the queue's head goes first whatever its length",
+    "web_ui": "turn off the web page at / (chat playground and the engine live); /v1/debug/state stays, behind --api-key",
 }
 FLAGS = {"num_threads": ["--threads", "--num-threads"], "enable_prefix_caching": ["--no-prefix-caching"]}
 SKIP = {"seed", "cache", "scheduler", "speculative"}   # the engine seed is not a CLI knob; sub-configs are flattened
@@ -112,11 +113,12 @@ def _stream(engine, prompt, params, out=None) -> str:
             out.write(text[shown:]); out.flush(); shown = len(text)
     out.write("\n"); return text
 
-def app_parts() -> dict:
+def app_parts(sc=None) -> dict:
     "What `llm-engine serve` adds to chapter 10's app: `routers` to include and `hooks` called with the built app, one line each."
-    from llm_engine import responses
+    from functools import partial
+    from llm_engine import responses, web
     return {"routers": [responses.router],   # POST /v1/responses and the stored responses (chapter 10a)
-            "hooks": []}
+            "hooks": [partial(web.mount_web, page=sc is None or sc.web_ui)]}   # the page at / and /v1/debug/state (chapter 10b)
 
 def _serve(a):
     from llm_engine.api import serve, ServerConfig
@@ -130,7 +132,7 @@ def _serve(a):
         serve_replicas(replicas=sc.replicas, host=sc.host, port=sc.port, api_key=sc.api_key, served_model_name=sc.served_model_name,
                        ray_address=sc.ray_address, **_engine_kw(a))
         return 0
-    return serve(sc, EngineConfig.create(**_engine_kw(a)), **app_parts())
+    return serve(sc, EngineConfig.create(**_engine_kw(a)), **app_parts(sc))
 
 def _trace(a) -> int:
     "Print the server's explanation of one request (GET /v1/debug/trace)."
