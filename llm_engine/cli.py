@@ -13,7 +13,7 @@ __all__ = ['HELP', 'FLAGS', 'SKIP', 'SIZES', 'CHOICES', 'add_config_args', 'conf
 # %% ../nbs/11_cli.ipynb
 HELP = {
     "model": "model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
-    "dtype": "weights, activations and KV cache: auto is bfloat16 on CUDA and on CPUs with AVX512_BF16/AMX, else float32",
+    "dtype": "weights, activations and KV cache: auto is bfloat16 on CUDA and on CPUs with AVX512_BF16/AMX or AVX2 (our kernels widen bf16 weights), else float32",
     "quantization": "int8: int8 weights, one scale per output channel; q4: 4-bit weights in GGUF Q4_1 blocks, exact for a Q4_1 GGUF; w8a8: int8 weights, and int8 activations (SmoothQuant, a scale per token) for large batches (notebook 05b)",
     "num_threads": "torch intra-op threads",
     "attention_backend": "decode attention: C++ kernel over the paged cache (cpp, CPU), Triton kernel (triton, CUDA), PyTorch gather + SDPA (torch), or auto",

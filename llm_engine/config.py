@@ -367,7 +367,7 @@ CPU_ISA = apply_isa(resolve_isa())    # at import: a bad LLM_ENGINE_ISA stops he
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 def resolve_dtype(dtype: str = "auto", device: str = "cpu", cpu_flags=None, quantization=None) -> str:
-    "The dtype to run in: `auto` is bfloat16 on CUDA and on CPUs with bf16 instructions, float32 elsewhere (and for weight-only int8 or q4 on a CPU)."
+    "The dtype to run in: `auto` is bfloat16 on CUDA and on CPUs with bf16 instructions or AVX2, float32 elsewhere (and for weight-only int8 or q4 on a CPU)."
     if dtype not in DTYPES: raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     if dtype != "auto": return dtype
     kind = str(device).split(":")[0]
@@ -375,4 +375,6 @@ def resolve_dtype(dtype: str = "auto", device: str = "cpu", cpu_flags=None, quan
     # weight-only int8 and q4 keep fp32 activations; w8a8 rounds them to 8 bits in its matmuls, so bf16 between costs nothing
     if kind != "cpu" or quantization not in (None, "w8a8"): return "float32"
     flags = CPU_ISA.flags if cpu_flags is None else frozenset(cpu_flags)     # under LLM_ENGINE_ISA=avx2, no bf16
-    return "bfloat16" if flags & set(BF16_CPU_FLAGS) else "float32"
+    if quantization == "w8a8": return "bfloat16" if flags & set(BF16_CPU_FLAGS) else "float32"
+    # without bf16 arithmetic, AVX2's kernels (05b) still read bf16 weights at half fp32's bytes, in fp32 arithmetic
+    return "bfloat16" if flags & set(BF16_CPU_FLAGS) or set(ISA_NEEDS["avx2"]) <= flags else "float32"

@@ -40,9 +40,9 @@ NO_SCALES = torch.empty(0)
 
 class WeightOnlyLinear(nn.Module):
     "A linear layer whose weight is stored in fewer bits and widened to fp32 inside the matmul; subclasses say how."
-    # rows up to which our kernels win (measured above): against oneDNN's bf16 matmul where the CPU multiplies bf16,
-    # against an fp32 matmul on the weight widened per call where it does not (AVX2)
-    small_batch = 4 if CPU_ISA.bf16 else 64
+    # rows up to which our kernels win (measured below): against oneDNN's bf16 matmul where the CPU multiplies bf16,
+    # against an fp32 matmul on the weight widened per call where it does not (AVX2: 24 rows for int8 and bf16 weights)
+    small_batch = 4 if CPU_ISA.bf16 else 24
     widen_large = not CPU_ISA.bf16     # large batches: fp32 matmul on the weight widened per call, not a bf16 copy
     def __init__(self, lin: nn.Linear):
         super().__init__()
@@ -127,6 +127,7 @@ def dequantize_q4(p: torch.Tensor) -> torch.Tensor:
 
 class Q4Linear(WeightOnlyLinear):
     "4-bit weights in GGUF's Q4_1 blocks: a scale and a minimum per 32 weights."
+    small_batch = 4 if CPU_ISA.bf16 else 64    # widening Q4 costs more, so our kernel keeps more rows (AVX2, measured below)
     def __init__(self, lin: nn.Linear):
         super().__init__(lin)
         self.register_buffer("weight", quantize_q4(lin.weight))
