@@ -506,7 +506,7 @@ def our_rows(keys: str|None = None) -> tuple:
     key = lambda name: name.split()[-1] if " " in name else "fp32"
     if not keys: return OURS
     want = [k.strip() for k in keys.split(",") if k.strip()]
-    if bad := [k for k in want if k not in {key(n) for n, *_ in OURS}]: raise SystemExit(f"--ours: unknown rows {bad}; choose from fp32, bf16, int8, q4, w8a8")
+    if bad := [k for k in want if k not in {key(n) for n, *_ in OURS}]: raise ValueError(f"--ours: unknown rows {bad}; choose from fp32, bf16, int8, q4, w8a8")
     return tuple(o for o in OURS if key(o[0]) in want)
 
 def peers_main(a) -> int:
