@@ -93,7 +93,7 @@ def test_fuzz_left_nothing_behind(srv):
     ("/v1/completions", b'{"prompt": "", "max_tokens": 2}', 400),                                # empty string
     ("/v1/completions", b'{"prompt": [], "max_tokens": 2}', 400),
     ("/v1/completions", b'{"prompt": "hi", "stop": 5}', 400),                                    # non-string stop
-    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "ignore_eos": true, "whatever": {"x": 1}}', 200),  # unknown field: ignored
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "ignore_eos": true, "whatever": {"x": 1}}', 400),  # unknown field: refused by name (#25)
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "' + b"word " * 600 + b'"}], "max_tokens": 2}', 400),  # > context
 ])
 def test_bad_input_cases(srv, path, raw, status):
