@@ -125,9 +125,17 @@ def test_stop_aborts_the_request_on_the_server(browser, server):
 
 def client(base, i, system, results):
     body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}: what is {i} + {i}?"}],
-            "max_tokens": 64 + 8 * i, "ignore_eos": True, "stream": True}
+            "max_tokens": 400 + 8 * i, "ignore_eos": True, "stream": True}     # long enough to be running still when clicked on a fast machine
     with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=300) as r:
         results[i] = sum(1 for l in r.iter_lines() if l.startswith("data: {"))
+
+def click_fresh(browser, css, tries=40):
+    "Click the element `css` finds; the queue lists are redrawn a few times a second, so a found button can go stale before the click."
+    from selenium.common.exceptions import StaleElementReferenceException
+    for _ in range(tries):
+        try: browser.find_element("css selector", css).click(); return
+        except StaleElementReferenceException: time.sleep(0.05)
+    raise AssertionError(f"{css} was redrawn before every one of {tries} clicks landed")
 
 def test_sixteen_clients_in_the_engine_view(browser, server):
     open_page(browser, server)
@@ -141,7 +149,7 @@ def test_sixteen_clients_in_the_engine_view(browser, server):
                     used=int(cv.get_attribute("data-used")), shared=int(cv.get_attribute("data-shared")))
     busy = wait_for(lambda: (v := look())["running"] and v["waiting"] and v["used"] and v, "running and waiting requests", 60)
     time.sleep(1.0); shot(browser, "engine")                                   # a second on: a fuller map
-    browser.find_element("css selector", "#q-running button.req").click()     # a request's trace, its blocks highlighted
+    click_fresh(browser, "#q-running button.req")     # a request's trace, its blocks highlighted
     wait_for(lambda: text(browser, "trace-body").startswith("request chatcmpl-"), "the running request's trace")
     wait_for(lambda: int(by_id(browser, "blockmap").get_attribute("data-selected")) > 0, "its blocks highlighted")
     shot(browser, "trace")
