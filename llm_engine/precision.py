@@ -19,8 +19,8 @@ from .rope import RotaryEmbedding
 __all__ = ['STEP_KERNELS_SRC', 'NO_SCALES', 'Q4_GROUP', 'Q4_BYTES', 'W8A8_ALPHA', 'CALIBRATION_CHAT', 'QUANTIZERS',
            'load_step_kernels', 'widen_buffer', 'WeightOnlyLinear', 'int8_rows', 'Int8Linear', 'Bf16Linear',
            'quantize_q4', 'dequantize_q4', 'Q4Linear', 'forward_logits', 'calibration_ids', 'activation_ranges',
-           'W8A8Linear', 'quantize_linears', 'FusedDecode', 'widen_bf16_linears', 'fuse_decode', 'Agreement',
-           'compare_logits', 'best_of', 'weight_bytes_per_token']
+           'W8A8Linear', 'quantize_linears', 'replace_linears', 'FusedDecode', 'widen_bf16_linears', 'fuse_decode',
+           'Agreement', 'compare_logits', 'best_of', 'weight_bytes_per_token']
 
 # %% ../nbs/05b_precision.ipynb
 STEP_KERNELS_SRC = (Path(llm_engine.__file__).parent / "csrc" / "decode_step.cpp").read_text()
@@ -237,9 +237,13 @@ def quantize_linears(model: nn.Module, method: str = "int8", model_path=None) ->
         if model_path is None: raise ValueError("w8a8 calibrates on the model's tokenizer: pass model_path")
         from llm_engine.model import load_tokenizer
         ranges = activation_ranges(model, calibration_ids(load_tokenizer(model_path)))
+    return replace_linears(model, lambda lin, name: QUANTIZERS[method](lin, name.rpartition(".")[2], ranges.get(name)))
+
+def replace_linears(model: nn.Module, make) -> nn.Module:
+    "Replace every plain `nn.Linear` by `make(linear, its full name)` (which may return it unchanged)."
     for prefix, mod in list(model.named_modules()):
         for name, child in list(mod.named_children()):
-            if type(child) is nn.Linear: setattr(mod, name, QUANTIZERS[method](child, name, ranges.get(f"{prefix}.{name}".lstrip("."))))
+            if type(child) is nn.Linear: setattr(mod, name, make(child, f"{prefix}.{name}".lstrip(".")))
     return model
 
 # %% ../nbs/05b_precision.ipynb
@@ -288,11 +292,7 @@ class FusedDecode:
 def widen_bf16_linears(model: nn.Module) -> nn.Module:
     "On a CPU without bf16 arithmetic, every bf16 `nn.Linear` becomes a `Bf16Linear` (our kernels widen its weights)."
     if CPU_ISA.bf16 or load_step_kernels() is not None: return model
-    for mod in list(model.modules()):
-        for name, child in list(mod.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu":
-                setattr(mod, name, Bf16Linear(child))
-    return model
+    return replace_linears(model, lambda lin, name: Bf16Linear(lin) if lin.weight.dtype == torch.bfloat16 and lin.weight.device.type == "cpu" else lin)
 
 def fuse_decode(model) -> bool:
     "Install `FusedDecode` as `model.decode_step` for a CPU model with bf16 activations or quantized weights; True if installed."
