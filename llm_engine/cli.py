@@ -116,8 +116,9 @@ def _stream(engine, prompt, params, out=None) -> str:
 def app_parts(sc=None) -> dict:
     "What `llm-engine serve` adds to chapter 10's app: `routers` to include and `hooks` called with the built app, one line each."
     from functools import partial
-    from llm_engine import responses, web
-    return {"routers": [responses.router],   # POST /v1/responses and the stored responses (chapter 10a)
+    from llm_engine import responses, web, embeddings
+    return {"routers": [responses.router,    # POST /v1/responses and the stored responses (chapter 10a)
+                        embeddings.router],  # POST /v1/embeddings (chapter 10c)
             "hooks": [partial(web.mount_web, page=sc is None or sc.web_ui)]}   # the page at / and /v1/debug/state (chapter 10b)
 
 def _serve(a):

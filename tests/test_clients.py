@@ -180,3 +180,21 @@ def test_pydantic_ai_output_type(base, model, native, s, server):
     r = agent.run_sync(ASK_CITY)
     assert isinstance(r.output, City)
     assert blocks_free(server)
+
+# ---- the official openai client: embeddings (chapter 10c)
+
+def test_openai_embeddings_create(client, model):
+    import base64, numpy as np
+    texts = ["The cat sat on the mat.", "Stock markets fell on Monday.", "The cat sat on the mat."]
+    floats = client.embeddings.create(model=model, input=texts, encoding_format="float")
+    default = client.embeddings.create(model=model, input=texts)          # the client asks for base64 and decodes it
+    raw = client.embeddings.create(model=model, input=texts[0], encoding_format="base64")   # asked for: left encoded
+    e = np.array([d.embedding for d in floats.data])
+    np.testing.assert_allclose(np.array([d.embedding for d in default.data]), e, atol=1e-7)
+    np.testing.assert_array_equal(np.frombuffer(base64.b64decode(raw.data[0].embedding), dtype="<f4"), e[0].astype(np.float32))
+    assert abs(e[0] @ e[2] - 1.0) < 1e-6 and e[0] @ e[1] < 0.999
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens > 0 and floats.model == model
+    one = client.embeddings.create(model=model, input=texts[1], encoding_format="float").data[0].embedding
+    np.testing.assert_allclose(one, e[1], atol=1e-5)
+    with pytest.raises(openai.BadRequestError) as err: client.embeddings.create(model=model, input="x", dimensions=8)
+    assert "dimensions" in str(err.value)

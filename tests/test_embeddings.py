@@ -1,0 +1,101 @@
+"""`POST /v1/embeddings` on `llm-engine serve` (the embedded model, fp32: the conftest's server), over HTTP (issue 25):
+identical texts have a cosine of 1, a batch equals its inputs one by one, every input shape and both encodings agree,
+bad input is a 400 naming its field, and no KV block is ever taken, even beside a generating stream."""
+import base64, json, threading, time
+import httpx, numpy as np, pytest
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base, timeout=300) as c: yield c
+
+@pytest.fixture(scope="module")
+def served(http):
+    m = http.get("/v1/models").json()["data"][0]
+    return m["id"], m["max_model_len"]
+
+def embed(http, input, **kw) -> np.ndarray:
+    r = http.post("/v1/embeddings", json={"input": input, **kw})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [d["index"] for d in body["data"]] == list(range(len(body["data"])))
+    return np.array([d["embedding"] for d in body["data"]], dtype=np.float64)
+
+def kv_used(http) -> int: return http.get("/v1/stats").json()["kv_blocks_used"]
+
+TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply on Monday.", "x", "The cat sat on the mat.",
+         "A much longer text, to make the batch uneven: " + "one two three four five six seven eight nine ten. " * 30]
+
+def test_identical_texts_have_cosine_one(http, served):
+    e = embed(http, TEXTS, model=served[0])
+    assert e.shape[0] == len(TEXTS) and e.shape[1] > 0
+    np.testing.assert_allclose(np.linalg.norm(e, axis=1), 1.0, atol=1e-6)
+    assert abs(e[0] @ e[3] - 1.0) < 1e-6
+    assert e[0] @ e[1] < 0.999          # different texts are different vectors
+
+def test_batch_equals_one_by_one(http):
+    batch = embed(http, TEXTS)
+    alone = np.concatenate([embed(http, t) for t in TEXTS])
+    np.testing.assert_allclose(batch, alone, atol=1e-5)
+
+def test_shapes_encodings_and_usage(http, served):
+    ids = [http.post("/tokenize", json={"prompt": t}).json()["tokens"] for t in TEXTS[:3]]
+    floats = embed(http, TEXTS[:3])
+    np.testing.assert_allclose(embed(http, ids), floats, atol=1e-6)              # list of lists of token ids
+    np.testing.assert_allclose(embed(http, ids[1])[0], floats[1], atol=1e-6)     # one list of token ids
+    r = http.post("/v1/embeddings", json={"input": TEXTS[:3], "encoding_format": "base64", "user": "u-42"}).json()
+    decoded = np.array([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in r["data"]])
+    np.testing.assert_array_equal(decoded, floats.astype(np.float32))
+    n = sum(map(len, ids))
+    assert r["usage"] == {"prompt_tokens": n, "total_tokens": n} and r["model"] == served[0] and r["object"] == "list"
+    width = floats.shape[1]
+    assert embed(http, "x", dimensions=width).shape == (1, width)               # its own width is honest; any other is refused
+
+@pytest.mark.parametrize("body,param,code", [
+    ({"input": ""}, "input", "invalid_value"),
+    ({"input": []}, "input", "invalid_value"),
+    ({"input": ["a", ""]}, "input[1]", "invalid_value"),
+    ({"input": [[1, 2], []]}, "input[1]", "invalid_value"),
+    ({"input": [[1, 10**9]]}, "input[0]", "invalid_value"),
+    ({"input": "x", "dimensions": 8}, "dimensions", "unsupported_parameter"),
+    ({"input": "x", "some_unknown_field": 1}, "some_unknown_field", "unknown_parameter"),
+    ({"input": "x", "encoding_format": "int8"}, "encoding_format", None),
+])
+def test_bad_input_is_a_400_naming_it(http, body, param, code):
+    r = http.post("/v1/embeddings", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and (code is None or err["code"] == code), err
+
+def test_over_the_context_is_a_400(http, served):
+    n = served[1]
+    r = http.post("/v1/embeddings", json={"input": [5] * (n + 1)})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert str(n) in r.json()["error"]["message"] and r.json()["error"]["param"] == "input"
+    r = http.post("/v1/embeddings", json={"input": ["short", "word " * (n + 10)]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[1]", r.text
+
+def test_no_kv_block_taken_beside_a_stream(http, server):
+    "Embeddings (a long input in chunks among them) while a greedy chat streams: the chat is unchanged, the blocks all come back."
+    chat = {"messages": [{"role": "user", "content": "Count from one to twenty."}], "max_tokens": 40, "temperature": 0}
+    alone = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+    got, errors = {}, []
+    def stream():
+        text = ""
+        with httpx.Client(base_url=server.base, timeout=300) as c, c.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+        got["chat"] = text
+    def embeddings():
+        try: got["emb"] = [embed(http, ["word " * 1500, *TEXTS]) for _ in range(2)]
+        except Exception as e: errors.append(e)
+    ts = [threading.Thread(target=stream), threading.Thread(target=embeddings)]
+    for t in ts: t.start()
+    for t in ts: t.join(300)
+    assert not errors, errors
+    assert got["chat"] == alone
+    np.testing.assert_allclose(got["emb"][0], got["emb"][1], atol=1e-6)
+    for _ in range(100):
+        if kv_used(http) == 0: break
+        time.sleep(0.05)
+    assert kv_used(http) == 0
