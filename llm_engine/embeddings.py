@@ -4,7 +4,7 @@
 
 # %% ../nbs/10c_embeddings.ipynb 3
 from __future__ import annotations
-import asyncio, base64, time
+import asyncio, base64
 from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate
 from typing import Any, Literal
@@ -20,7 +20,7 @@ from .api import _ctx, ClientGone
 
 # %% auto 0
 __all__ = ['router', 'EmbeddingRequest', 'check_request', 'token_row', 'input_rows', 'scratch_caches', 'forward_pieces', 'groups',
-           'PooledForward', 'embed_rows', 'embedding_runner', 'embed', 'encode', 'create_embeddings']
+           'PooledForward', 'embedding_runner', 'embed_rows', 'embed', 'encode', 'create_embeddings']
 
 # %% ../nbs/10c_embeddings.ipynb
 class EmbeddingRequest(BaseModel):
@@ -68,7 +68,8 @@ def input_rows(tok, inp, vocab_size: int, max_len: int) -> list[list[int]]:
 def scratch_caches(runner: ModelRunner, num_blocks: int, layers: int) -> list[tuple]:
     "Per-layer `(k, v)` caches of `num_blocks` private blocks: `layers` of them, shared in turn by the model's layers."
     mc = runner.model.config
-    kv = torch.empty((layers, 2, num_blocks, runner.block_size, mc.num_kv_heads, mc.head_dim), dtype=runner.kv_cache.dtype, device=runner.device)
+    # zeros, not empty: attention reads a block's unwritten slots too (masked to weight 0), and 0 * NaN garbage is NaN
+    kv = torch.zeros((layers, 2, num_blocks, runner.block_size, mc.num_kv_heads, mc.head_dim), dtype=runner.kv_cache.dtype, device=runner.device)
     return [(kv[i % layers, 0], kv[i % layers, 1]) for i in range(mc.num_layers)]
 
 @torch.inference_mode()
@@ -124,6 +125,12 @@ def vectors(self: PooledForward) -> torch.Tensor:
     v = self.sums / n[:, None] if self.pooling == "mean" else self.last
     return torch.nn.functional.normalize(v, dim=-1).cpu()
 
+def embedding_runner(engine) -> ModelRunner:
+    "The engine's runner, whose model runs in this process; with tensor parallelism the layers live on the ranks: refused."
+    if not isinstance(engine.runner, ModelRunner):
+        raise APIError(400, "Embeddings are not available with tensor parallelism (the model's layers run on the ranks)", code="unsupported")
+    return engine.runner
+
 def embed_rows(engine, rows: list[list[int]], pooling: str = "mean") -> torch.Tensor:
     "Embeddings of `rows` on an engine nobody else steps (offline, tests): every group's steps in turn."
     budget, out = engine.config.scheduler.max_num_batched_tokens, []
@@ -132,12 +139,6 @@ def embed_rows(engine, rows: list[list[int]], pooling: str = "mean") -> torch.Te
         for step in job.steps: job.run(step)
         out.append(job.vectors())
     return torch.cat(out)
-
-def embedding_runner(engine) -> ModelRunner:
-    "The engine's runner, whose model runs in this process; with tensor parallelism the layers live on the ranks: refused."
-    if not isinstance(engine.runner, ModelRunner):
-        raise APIError(400, "Embeddings are not available with tensor parallelism (the model's layers run on the ranks)", code="unsupported")
-    return engine.runner
 
 # %% ../nbs/10c_embeddings.ipynb
 _WORKER = ThreadPoolExecutor(1, thread_name_prefix="llm-engine-embed")

@@ -99,3 +99,27 @@ def test_no_kv_block_taken_beside_a_stream(http, server):
         if kv_used(http) == 0: break
         time.sleep(0.05)
     assert kv_used(http) == 0
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"])
+def test_every_family_pools_transformers_hidden_states(family, tmp_path):
+    """In-process, on each family's tiny random model (fp32): the vectors are transformers' final hidden states, mean-pooled
+    and normalised, and a row over the step's budget, computed in chunks, gives the vector of the row computed whole.
+    (The rows compared with transformers stay within Phi-3's original context, 32: past it transformers switches a whole
+    forward to LongRoPE's long factors, the engine switches per position; chapter 5c.)"""
+    import torch
+    from transformers import AutoModel
+    from llm_engine.config import EngineConfig
+    from llm_engine.engine import LLMEngine
+    from llm_engine.embeddings import embed_rows
+    from llm_engine.testing import make_tiny_family
+    path = make_tiny_family(tmp_path, family)
+    engine = lambda budget: LLMEngine(EngineConfig.create(model=path, num_blocks=64, dtype="float32", max_num_batched_tokens=budget))
+    rows = [list(range(3, 33)), [7], list(range(100, 110))]
+    hf = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.stack([torch.nn.functional.normalize(hf(torch.tensor([r])).last_hidden_state[0].mean(0), dim=0) for r in rows])
+    small, whole = engine(12), engine(1024)
+    torch.testing.assert_close(embed_rows(small, rows), want, atol=1e-5, rtol=0)
+    long = list(range(200, 300))                                      # past the sliding windows (8 tokens), in 9 chunks of 12
+    torch.testing.assert_close(embed_rows(small, [long]), embed_rows(whole, [long]), atol=1e-5, rtol=0)
+    assert small.block_manager.num_free_blocks == small.block_manager.num_blocks
