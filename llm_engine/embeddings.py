@@ -60,6 +60,7 @@ def input_rows(tok, inp, vocab_size: int, max_len: int) -> list[list[int]]:
     elif all(isinstance(x, list) for x in items): rows = [token_row(r, name(i), vocab_size) for i, r in enumerate(items)]
     else: raise bad_request("input", "input must be a string, a list of strings, a list of token ids or a list of lists of token ids")
     for i, r in enumerate(rows):
+        if not r: raise bad_request(name(i), f"{name(i)} has no tokens")
         if len(r) > max_len:
             raise bad_request(name(i), f"This model's maximum context length is {max_len} tokens, but {name(i)} has {len(r)} tokens", code="context_length_exceeded")
     return rows
