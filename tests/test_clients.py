@@ -198,3 +198,14 @@ def test_openai_embeddings_create(client, model):
     np.testing.assert_allclose(one, e[1], atol=1e-5)
     with pytest.raises(openai.BadRequestError) as err: client.embeddings.create(model=model, input="x", dimensions=8)
     assert "dimensions" in str(err.value)
+
+def test_langchain_openai_embeddings(base, model, client):
+    "LangChain's OpenAIEmbeddings, with check_embedding_ctx_length=False: by default it sends ids of OpenAI's tokenizer (chapter 10c)."
+    import numpy as np
+    from langchain_openai import OpenAIEmbeddings
+    emb = OpenAIEmbeddings(base_url=base, api_key="unused", model=model, check_embedding_ctx_length=False, max_retries=0)
+    docs = ["The cat sat on the mat.", "Stock markets fell on Monday."]
+    got = np.array(emb.embed_documents(docs))
+    want = np.array([d.embedding for d in client.embeddings.create(model=model, input=docs, encoding_format="float").data])
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    np.testing.assert_allclose(emb.embed_query(docs[0]), want[0], atol=1e-5)
