@@ -26,8 +26,8 @@ __all__ = ['log', 'PROTECTED', 'LOGPROB_FLOOR', 'router', 'TOOL_CALL_PARSERS', '
            'role_chunk', 'chat_stream', 'chat_chunks', 'merge', 'EventStream', 'completion_chunk', 'completion_stream',
            'echo_text', 'echo_logprobs', 'needs_prompt_logprobs', 'chat_completions', 'chat_response', 'completions',
            'completion_choice', 'token_piece', 'tokenize', 'detokenize', 'health', 'models', 'stats', 'metrics',
-           'debug_trace', 'load_chat_template', 'check_tool_call_parser', 'build_app', 'raise_open_file_limit',
-           'listen_socket', 'serve']
+           'debug_trace', 'load_chat_template', 'check_tool_call_parser', 'build_app', 'open_fds', 'FdBudget',
+           'FdGuard', 'guarded_protocol', 'GuardedSocket', 'raise_open_file_limit', 'listen_socket', 'serve']
 
 # %% ../nbs/10_api.ipynb
 log = logging.getLogger("llm_engine.api")
@@ -42,8 +42,11 @@ class ServerConfig:
     served_model_name: str|None = None     # default: the model's name without cache suffixes
     allowed_origins: list[str]|None = None # CORS origins ("*" for any); preflights are answered before the key check
     max_body_bytes: int = 4 * 2**20
-    limit_concurrency: int|None = None     # connections beyond this get 503 at once (default: 90% of the open-file limit)
+    limit_concurrency: int|None = None     # connections beyond this get 503 at once (default and ceiling: `FdBudget.limit`)
     timeout_keep_alive: int = 5            # seconds an idle keep-alive connection is kept
+    timeout_request_head: float = 5.0      # seconds a connection may stay without a request in progress (slowloris); 0: no limit
+    fd_reserve: int = 64                   # open files kept out of the connection cap: accept(), /health, the engine's own files
+    loop: str = "auto"                     # the event loop: auto (uvloop when installed), asyncio or uvloop
     chat_template: str|None = None         # a Jinja chat template file used instead of the model's
     tool_call_parser: str = "hermes"       # how tool calls are written and parsed (the default format of chapter 6b)
     log_level: str = "info"
@@ -627,6 +630,126 @@ async def _lifespan(app):
     print(f"llm_engine: shut down; {n} unfinished requests cancelled, {eng.block_manager.num_used_blocks} KV blocks in use", flush=True)
 
 # %% ../nbs/10_api.ipynb
+import errno, heapq, os
+from dataclasses import field
+
+def open_fds() -> int|None:
+    "How many descriptors this process holds now; None where the system does not list them."
+    for d in ("/proc/self/fd", "/dev/fd"):
+        try: return len(os.listdir(d)) - 1     # less the one the listing itself holds
+        except OSError: pass
+    return None
+
+@dataclass
+class FdBudget:
+    "The open-file limit read at start, the connection cap derived from it, and what was shed, timed out or refused."
+    nofile: int                  # RLIMIT_NOFILE, after `raise_open_file_limit`
+    held: int = 64               # descriptors held before serving: model files, the loop's pipes, the listening socket
+    reserve: int = 64            # kept free for accept(), /health, /metrics and the engine's own files
+    head_timeout: float = 5.0    # seconds a connection may stay without a request in progress (0: no limit)
+    log_every: float = 10.0      # seconds between two reports
+    accept_errors: int = 0       # accept() calls that failed for want of descriptors
+    shed: int = 0                # idle connections closed to make room
+    timed_out: int = 0           # connections closed by the head timeout
+    pending: int = 0             # accepted, not yet seen by the protocol (asyncio's loop sees them a turn or two later)
+    connections: set|None = field(default=None, repr=False)   # uvicorn's set of open connections, once it serves
+    _reported: tuple = field(default=(0, 0, 0), repr=False)
+    _reported_at: float = field(default=float("-inf"), repr=False)
+    def __post_init__(self):
+        if self.reserve < 0: raise ValueError(f"fd_reserve must be >= 0, got {self.reserve}")
+        if self.head_timeout < 0: raise ValueError(f"timeout_request_head must be >= 0 (0: no limit), got {self.head_timeout}")
+    @property
+    def cap(self) -> int: return max(8, self.nofile - self.held - self.reserve)
+    @property
+    def limit(self) -> int: return self.cap + self.reserve // 2    # uvicorn's 503 line: busy connections may use half the reserve
+
+# %% ../nbs/10_api.ipynb
+@patch
+def report(self: FdBudget, force=False) -> str|None:
+    "Print one line for what changed since the last report, at most every `log_every` s (`force`: now); returns it."
+    now, seen = time.monotonic(), (self.accept_errors, self.shed, self.timed_out)
+    if seen == self._reported or (not force and now - self._reported_at < self.log_every): return None
+    (a, s, t), self._reported, self._reported_at = self._reported, seen, now
+    line = (f"llm_engine: connections (open-file limit {self.nofile}, cap {self.cap}): {self.accept_errors - a} failed accept() "
+            f"calls, {self.shed - s} idle connections closed to make room, {self.timed_out - t} closed without a request in "
+            f"{self.head_timeout:g} s, since the last report")
+    print(line, flush=True); return line
+
+_OUT_OF = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}   # what asyncio's accept loop reports and retries
+
+@patch
+def on_loop_error(self: FdBudget, loop, ctx):
+    "The server loop's exception handler: a failed accept() for want of descriptors is counted; the rest is logged as usual."
+    exc = ctx.get("exception")
+    if isinstance(exc, OSError) and exc.errno in _OUT_OF and "accept" in ctx.get("message", ""):
+        self.accept_errors += 1; self.report(); return
+    loop.default_exception_handler(ctx)
+
+# %% ../nbs/10_api.ipynb
+def _busy(p) -> bool: return p.cycle is not None and not p.cycle.response_complete
+
+def _idle_since(p, now) -> float:
+    "When connection `p` was first seen without a request in progress; a new request starts a new count."
+    mark = getattr(p, "_fd_idle", None)
+    if mark is None or mark[0] is not p.cycle: p._fd_idle = mark = (p.cycle, now)
+    return mark[1]
+
+@patch
+def make_room(self: FdBudget, connections, keep=None, pending=0) -> int:
+    "Over the cap (counting `pending` not yet seen), close idle connections but `keep`: keep-alive ones first, then the oldest."
+    if len(connections) + pending <= self.cap: return 0
+    live = [p for p in connections if not p.transport.is_closing()]
+    if (over := len(live) + pending - self.cap) <= 0: return 0
+    now = time.monotonic()
+    idle = [p for p in live if p is not keep and not _busy(p)]
+    victims = heapq.nsmallest(over, idle, key=lambda p: (p.cycle is None, _idle_since(p, now)))
+    for p in victims: p.transport.close()
+    self.shed += len(victims); return len(victims)
+
+@patch
+def sweep(self: FdBudget, connections) -> int:
+    "Close connections without a request in progress for `head_timeout` s (slowloris, silent clients); report what changed."
+    now, n = time.monotonic(), 0
+    for p in list(connections):
+        if self.head_timeout and not _busy(p) and not p.transport.is_closing() and now - _idle_since(p, now) > self.head_timeout:
+            p.transport.close(); n += 1
+    self.timed_out += n; self.report()
+    self.pending = 0        # a connection accepted but never made (reset by its client at once) must not shrink the cap for ever
+    return n
+
+# %% ../nbs/10_api.ipynb
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+class FdGuard:
+    "Mixed into uvicorn's HTTP protocol: a new connection starts its idle clock and makes room for itself over the cap."
+    budget: FdBudget
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        self._fd_idle, b = (None, time.monotonic()), self.budget
+        b.pending = max(0, b.pending - 1)
+        b.make_room(self.connections, keep=self, pending=b.pending)
+
+def guarded_protocol(budget: FdBudget, base=AutoHTTPProtocol) -> type:
+    "uvicorn's HTTP protocol class (httptools or h11, as `http='auto'` picks) with `FdGuard` over `budget`."
+    return type(f"Guarded{base.__name__}", (FdGuard, base), {"budget": budget})
+
+# %% ../nbs/10_api.ipynb
+import socket
+
+class GuardedSocket(socket.socket):
+    "A listening socket whose `accept` (called by asyncio's loop) makes room under `budget`'s cap before it takes more."
+    budget: FdBudget|None = None
+    _paused = False
+    def accept(self):
+        if self._paused: raise BlockingIOError        # asyncio's accept loop stops here until the next turn
+        conn, addr = super().accept()
+        if (b := self.budget) is not None and b.connections is not None:
+            b.pending += 1
+            if b.make_room(b.connections, pending=b.pending):
+                self._paused = True; asyncio.get_running_loop().call_soon(setattr, self, "_paused", False)
+        return conn, addr
+
+# %% ../nbs/10_api.ipynb
 def raise_open_file_limit() -> int:
     "Raise the soft RLIMIT_NOFILE to the hard limit; returns the new soft limit."
     import resource
@@ -638,10 +761,10 @@ def raise_open_file_limit() -> int:
 SEND_BUFFER = 256 * 2**10
 
 def listen_socket(host, port, send_buffer=SEND_BUFFER):
-    "A bound socket for uvicorn whose kernel send buffer, inherited by every connection it accepts, is capped at `send_buffer`."
+    "A bound `GuardedSocket` for uvicorn whose kernel send buffer, inherited by every connection it accepts, is capped at `send_buffer`."
     import socket
     family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
+    sock = GuardedSocket(family, kind, proto)      # a plain socket until `serve` gives it a budget
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(addr); sock.set_inheritable(True)
@@ -664,18 +787,32 @@ def serve(server: ServerConfig|None = None, engine=None, routers=(), hooks=(), *
     # freezes its engine's objects the same way); unfrozen at exit, so extension modules see their objects freed
     import gc, atexit
     gc.collect(); gc.freeze(); atexit.register(gc.unfreeze)
-    bm, limit = aeng.engine.block_manager, s.limit_concurrency or max(16, int(nofile * 0.9) - 64)
-    print(f"llm_engine: serving {app.state.ctx.name} on http://{s.host}:{s.port}/v1 ({bm.num_blocks} KV blocks of {bm.block_size} tokens; "
-          f"up to {limit} connections)", flush=True)
-    _Server(uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level, timeout_graceful_shutdown=10,
-                           limit_concurrency=limit, timeout_keep_alive=s.timeout_keep_alive)).run(sockets=[listen_socket(s.host, s.port)])
+    sock, bm = listen_socket(s.host, s.port), aeng.engine.block_manager
+    fd = FdBudget(nofile, held=open_fds() or 64, reserve=s.fd_reserve, head_timeout=s.timeout_request_head)
+    limit, sock.budget = min(s.limit_concurrency or fd.limit, fd.limit), fd
+    print(f"llm_engine: serving {app.state.ctx.name} on http://{s.host}:{s.port}/v1 ({bm.num_blocks} KV blocks of {bm.block_size} tokens)\n"
+          f"llm_engine: open-file limit {nofile}: {fd.held} held, {fd.reserve} in reserve, up to {fd.cap} connections (idle ones closed "
+          f"past it, 503 past {limit}); " + (f"a request's head must come within {fd.head_timeout:g} s" if fd.head_timeout else "no head timeout"), flush=True)
+    _Server(uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level, timeout_graceful_shutdown=10, loop=s.loop,
+                           limit_concurrency=limit, timeout_keep_alive=s.timeout_keep_alive, http=guarded_protocol(fd)), fd).run(sockets=[sock])
 
 # %% ../nbs/10_api.ipynb
 import uvicorn
 
 class _Server(uvicorn.Server):
+    "uvicorn's server, with `fd` (an `FdBudget`): accept() failures counted on its loop, the head-timeout sweep on its tick."
+    def __init__(self, config, fd: FdBudget|None = None): super().__init__(config); self.fd = fd
+    async def startup(self, sockets=None):
+        if self.fd:
+            self.fd.connections = self.server_state.connections
+            asyncio.get_running_loop().set_exception_handler(self.fd.on_loop_error)
+        await super().startup(sockets)
+    async def on_tick(self, counter) -> bool:
+        if self.fd and counter % 10 == 0: self.fd.sweep(self.server_state.connections)   # uvicorn ticks every 0.1 s
+        return await super().on_tick(counter)
     async def shutdown(self, sockets=None):
         # an open page's state stream (chapter 10b) ends now, not at the graceful-shutdown timeout
         if (hub := getattr(self.config.app.state, "web_hub", None)) is not None: hub.closing = True
         await super().shutdown(sockets)
+        if self.fd: self.fd.report(force=True)
         self._captured_signals.clear()   # SIGTERM is the normal way to stop a server: exit 0 rather than re-raise it
