@@ -14,7 +14,7 @@ __all__ = ['OFFLINE_COLS', 'HTTP_COLS', 'WORDS', 'OV_RUNNER', 'PEER_COLS', 'OURS
            'main', 'bench_http_text', 'bench_http', 'llama_cpp_available', 'run_http_sweep', 'plot_sweep',
            'TextRequest', 'make_text_workload', 'Peer', 'peers_dir', 'run_offline_peer', 'find_peers',
            'run_http_system', 'PeerRow', 'format_peer_table', 'run_peers', 'plot_peers', 'our_rows', 'peers_main',
-           'bench_structured']
+           'bench_state_stream', 'bench_structured']
 
 # %% ../nbs/12_benchmarks.ipynb
 @dataclass
@@ -112,8 +112,15 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2, help="with --peers: threads for every system")
     ap.add_argument("--no-http", action="store_true", help="skip the HTTP servers and the concurrency sweep")
     ap.add_argument("--structured", action="store_true", help="only the cost of constrained decoding at batch 32 (free vs JSON Schema)")
+    ap.add_argument("--state-stream", action="store_true", help="only the step loop's cost of the page's state stream at 32 clients (chapter 10b)")
     a = ap.parse_args(argv)
     if a.peers: return peers_main(a)
+    if a.state_stream:
+        res = bench_state_stream(a.model, **(dict(clients=4, seconds=3, rounds=1) if a.quick else {}), threads=a.threads)
+        print(json.dumps(res, indent=2))
+        if a.out:
+            with open(a.out, "w") as f: json.dump(res, f, indent=2)
+        return res
     if a.structured:
         res = bench_structured(**(dict(batch=4, max_tokens=8) if a.quick else {}), seed=a.seed, model=a.model)
         print(format_table(res, STRUCTURED_COLS)); return res
@@ -522,6 +529,16 @@ def peers_main(a) -> int:
     plot_peers(res, title=res["machine"] + (" (quick)" if a.quick else ""))[0].figure.savefig(out.with_suffix(".png"), dpi=120, bbox_inches="tight")
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
+
+# %% ../nbs/12_benchmarks.ipynb
+def bench_state_stream(model=None, clients=32, seconds=30.0, rounds=3, threads=2, viewers=1, max_tokens=128, extra=()) -> dict:
+    "Our server under `clients` streaming clients, without and with `viewers` page state streams (chapter 10b): tokens/s of each."
+    from llm_engine.web import state_stream_cost
+    cmd = [sys.executable, "-m", "llm_engine.cli", "serve", "--port", "{port}", "--log-level", "warning", "--threads", str(threads),
+           "--max-num-seqs", str(clients), *(["--model", str(model)] if model else []), *extra]
+    with ServerProcess(cmd) as srv:
+        res = state_stream_cost(srv.base, clients=clients, seconds=seconds, viewers=viewers, rounds=rounds, max_tokens=max_tokens)
+    return dict(machine=_machine(), threads=threads, seconds=seconds, **res)
 
 # %% ../nbs/12_benchmarks.ipynb
 BENCH_SCHEMA = {"type": "array", "minItems": 64, "items": {"type": "object", "properties": {

@@ -395,11 +395,17 @@ def _fast_paths(m: Llama):
         from llm_engine.precision import fuse_decode     # notebook 05b: bf16 or int8 decode steps with few Python calls
         fuse_decode(m)
 
+def _matrices_to(m: nn.Module, dtype):
+    "Give the linear and embedding weights `dtype` (on the meta device: free); norms stay fp32 until the final cast, as before."
+    for mod in m.modules():
+        if isinstance(mod, (nn.Linear, nn.Embedding)): mod.to(dtype)
+
 def load_model(model=None, dtype=torch.float32, device="cpu", quantization=None) -> tuple[Llama, Path]:
     "Our `Llama` with weights loaded on `device` (linears quantized if asked: notebook 05b), and the folder it came from."
     path = resolve_model(model)
     mc = ModelConfig.from_pretrained(path)
     with torch.device("meta"): m = Llama(mc)
+    if quantization is None: _matrices_to(m, dtype)   # a 1B model's fp32 copy would be 4 GB held for nothing
     m = m.to_empty(device=device)     # weights are copied straight from the file into device memory
     m.build_rope(device)
     if mc.tie_word_embeddings: m.lm_head.weight = m.embed_tokens.weight

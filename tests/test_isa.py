@@ -10,7 +10,7 @@ NBS = Path(__file__).resolve().parents[1] / "nbs"
 OTHERS = [n for n in ISA_NEEDS if n != CPU_ISA.name and set(ISA_NEEDS[n]) <= read_cpu_flags()]
 # the chapters whose kernels are compiled per ISA (05b's layer checks include w8a8's, which saturated without VNNI);
 # their `slow` cells, the real model scored per precision, take some 10 minutes more per ISA and are run by hand:
-# LLM_ENGINE_ISA=avx2 nbdev_test --flags slow --path nbs/05b_precision.ipynb
+# LLM_ENGINE_ISA=avx2 python tools/test_nbs.py --flags slow --path nbs/05b_precision.ipynb
 CHAPTERS = {isa: [("03_paged_attention", ""), ("05b_precision", "")] for isa in ("avx2", "generic")}
 
 def _run(isa, nb, flags):
