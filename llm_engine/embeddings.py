@@ -106,7 +106,7 @@ class PooledForward:
         whole = sum(map(len, rows)) <= budget
         if not whole and len(rows) > 1: raise ValueError("a group over the budget must be one row")
         # rows computed whole need each layer's K/V only inside that layer: one layer of scratch, overwritten by the next
-        self.caches = scratch_caches(runner, sum(nblocks), 1 if whole else runner.model.config.num_layers)
+        self.num_blocks, self.layers, self.caches = sum(nblocks), 1 if whole else runner.model.config.num_layers, None
         self.steps = [[(r, 0) for r in rows]] if whole else [[(rows[0][s:s + budget], s)] for s in range(0, len(rows[0]), budget)]
         self.sums = torch.zeros(len(rows), runner.model.config.hidden_size, device=runner.device)
         self.last = torch.zeros_like(self.sums)
@@ -115,6 +115,7 @@ class PooledForward:
 @patch
 def run(self: PooledForward, step: list[tuple]):
     "Run one of `self.steps`: add its hidden states to the rows' sums, keep each row's latest token's."
+    if self.caches is None: self.caches = scratch_caches(self.runner, self.num_blocks, self.layers)   # on the thread that runs it
     idx = range(len(self.rows)) if len(self.steps) == 1 else [0]
     for i, h in zip(idx, forward_pieces(self.runner, step, [self.tables[i] for i in idx], self.caches)):
         self.sums[i] += h.sum(0); self.last[i] = h[-1]
