@@ -42,7 +42,7 @@ def timed_get(url) -> tuple[int, float]:
 def client_files():
     "This process holds the client ends: 1,100 sockets need a soft limit above the usual 1,024."
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = 4 * N
+    need = N + 256
     if hard != resource.RLIM_INFINITY and hard < need: pytest.fail(f"the test client needs an open-file limit of {need} (hard limit here: {hard})")
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, need), hard))
     yield
