@@ -16,11 +16,11 @@ from .layers import RMSNorm, SwiGLU
 from .attention import AttentionMetadata, store_kv, paged_attention, _gather
 
 # %% auto 0
-__all__ = ['ACT_FNS', 'MANIFEST', 'DEFAULT_GGUF', 'GatedMLP', 'make_rope', 'window_attention', 'LlamaAttention',
-           'LlamaDecoderLayer', 'Llama', 'weight_files', 'load_weights', 'clean_stale_temps', 'write_manifest',
-           'check_cached_model', 'default_gguf_path', 'gguf_config', 'convert_gguf', 'resolve_model',
+__all__ = ['ACT_FNS', 'MANIFEST', 'DEFAULT_GGUF', 'SECOND_COPY_MAX_BYTES', 'GatedMLP', 'make_rope', 'window_attention',
+           'LlamaAttention', 'LlamaDecoderLayer', 'Llama', 'weight_files', 'load_weights', 'clean_stale_temps',
+           'write_manifest', 'check_cached_model', 'default_gguf_path', 'gguf_config', 'convert_gguf', 'resolve_model',
            'cached_conversion', 'load_model', 'load_tokenizer', 'PackedLinear', 'bound_onednn_caches',
-           'prepack_linears', 'keep_freed_memory']
+           'release_freed_memory', 'model_bytes', 'prepack_linears', 'keep_freed_memory']
 
 # %% ../nbs/05_model.ipynb
 ACT_FNS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
@@ -445,17 +445,39 @@ def bound_onednn_caches(capacity=256) -> int:
     for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"): os.environ.setdefault(var, str(capacity))
     return int(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"])
 
-def prepack_linears(model: nn.Module) -> nn.Module:
+def release_freed_memory() -> bool:
+    "Hand the heap's free pages back to the OS once (glibc's `malloc_trim`); False where unsupported."
+    # the weights that packing replaced were freed into the heap, not unmapped: glibc's mmap threshold had grown past their
+    # size while loading; a 1.1B bf16 model's server held 0.9 GB more than its weights and cache until this
+    try: libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError: return False
+    if not hasattr(libc, "malloc_trim"): return False
+    libc.malloc_trim(0); return True
+
+SECOND_COPY_MAX_BYTES = 2**30     # a model's weights up to which a second copy in another layout may be kept for speed
+
+def model_bytes(model: nn.Module) -> int: return sum(p.numel() * p.element_size() for p in model.parameters())
+
+def prepack_linears(model: nn.Module, max_bytes=None) -> nn.Module:
     "Replace every fp32 (or bf16, where oneDNN has bf16) CPU `nn.Linear` by a `PackedLinear` (idempotent)."
     if not torch.backends.mkldnn.is_available(): return model
     bound_onednn_caches()
     dtypes = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
-    for mod in list(model.modules()):
+    # a tied output head is the embedding table, which must stay plain for the lookups: packing it is a second copy
+    tied = getattr(getattr(model, "embed_tokens", None), "weight", None)
+    big = model_bytes(model) > (SECOND_COPY_MAX_BYTES if max_bytes is None else max_bytes)
+    step = getattr(model, "decode_step", None)
+    if step is not None: step.layers = []     # its hold on the old modules would keep both copies alive to the end
+    # the parents only: a list of every module would hold each replaced linear to the end
+    for mod in [m for m in model.modules() if any(type(c) is nn.Linear for c in m.children())]:
+        packed = 0
         for cname, child in list(mod.named_children()):
+            if big and tied is not None and getattr(child, "weight", None) is tied: continue
             if type(child) is nn.Linear and child.weight.dtype in dtypes and child.weight.device.type == "cpu":
                 p = _packed_or_none(child)
-                if p is not None: setattr(mod, cname, p)
-    if getattr(model, "decode_step", None) is not None: model.decode_step.rebind(model)   # a fused decode step (05b) holds the old modules
+                if p is not None: setattr(mod, cname, p); packed += 1
+        if packed: release_freed_memory()     # the plain weights just replaced, back to the OS now: the peak is one layer over
+    if step is not None: step.rebind(model)   # the fused decode step (05b) takes the new modules
     return model
 
 # %% ../nbs/05_model.ipynb

@@ -249,7 +249,7 @@ def replace_linears(model: nn.Module, make) -> nn.Module:
 # %% ../nbs/05b_precision.ipynb
 class FusedDecode:
     "A decode step with few Python calls: per layer one C++ call (a few rows) or nine (more rows)."
-    def __init__(self, model):
+    def __init__(self, model, one_call=True):
         a, ln = model.layers[0].self_attn, model.layers[0].input_layernorm
         self.nh, self.nkv, self.scale, self.eps, self.none = a.nh, a.nkv, a.scale, ln.eps, torch.empty(0)
         self.attention = load_decode_kernel() is None     # the paged decode kernel each layer calls (notebook 03)
@@ -259,10 +259,12 @@ class FusedDecode:
         # (Q4 blocks carry their scales inside: no separate tensor)
         plain = lambda q: (q.weight, f32(q.scales)) if isinstance(q, Int8Linear) else (q.weight.detach().contiguous(), self.none)
         # one list per argument of decode_layers, one entry per layer: all layers in one call
+        # (without the one-call layer, only the norms: no plain copy of the weights is held)
         self.columns = [list(c) for c in zip(*[(f32(l.input_layernorm.weight), f32(l.post_attention_layernorm.weight),
-                                                *[t for q in self._lins(l) for t in plain(q)]) for l in model.layers])]
+                                                *([t for q in self._lins(l) for t in plain(q)] if one_call else [])) for l in model.layers])]
         self.quantized = isinstance(model.layers[0].self_attn.qkv_proj, WeightOnlyLinear)
-        self.max_rows = WeightOnlyLinear.small_batch if self.quantized else 3    # rows up to which the one-call layer wins (measured below)
+        # rows up to which the one-call layer wins (measured below)
+        self.max_rows = 0 if not one_call else WeightOnlyLinear.small_batch if self.quantized else 3
         self.rebind(model)
     @staticmethod
     def _lins(l): return (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj)
@@ -294,7 +296,7 @@ def widen_bf16_linears(model: nn.Module) -> nn.Module:
     if CPU_ISA.bf16 or load_step_kernels() is not None: return model
     return replace_linears(model, lambda lin, name: Bf16Linear(lin) if lin.weight.dtype == torch.bfloat16 and lin.weight.device.type == "cpu" else lin)
 
-def fuse_decode(model) -> bool:
+def fuse_decode(model, max_bytes=None) -> bool:
     "Install `FusedDecode` as `model.decode_step` for a CPU model with bf16 activations or quantized weights; True if installed."
     widen_bf16_linears(model)     # first: where the CPU has no bf16 arithmetic, the bf16 linears become our kernels' too
     w, lins = model.embed_tokens.weight, [q for l in model.layers for q in FusedDecode._lins(l)]
@@ -307,7 +309,11 @@ def fuse_decode(model) -> bool:
     if ok and differs:
         warnings.warn(f"llm_engine: {model.config.model_type}: the fused decode step is Llama's layer and this family differs "
                       f"({', '.join(differs)}); decode steps take the layer loop")
-    model.decode_step = FusedDecode(model) if ok and not differs else None
+    # plain bf16 weights for the one-call layer would sit beside prepack_linears' packed copy: kept for a small model, whose
+    # steps are short enough for Python's calls to matter; past SECOND_COPY_MAX_BYTES the copy costs more than it buys
+    from llm_engine.model import model_bytes, SECOND_COPY_MAX_BYTES     # (05 loads this module lazily: no import at the top)
+    one_call = quantized or model_bytes(model) <= (SECOND_COPY_MAX_BYTES if max_bytes is None else max_bytes)
+    model.decode_step = FusedDecode(model, one_call) if ok and not differs else None
     return model.decode_step is not None
 
 # %% ../nbs/05b_precision.ipynb

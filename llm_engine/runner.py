@@ -9,7 +9,7 @@ from itertools import accumulate
 from fastcore.basics import patch
 import torch
 from .attention import AttentionMetadata, resolve_attention_backend
-from .model import Llama, prepack_linears, keep_freed_memory
+from .model import Llama, prepack_linears, keep_freed_memory, release_freed_memory
 from .scheduler import SchedulerOutput, ScheduledSeq
 
 # %% auto 0
@@ -46,7 +46,7 @@ class ModelRunner:
             from llm_engine.cuda import select_attention_backend, cuda_paged_attention
             self.attention_backend = select_attention_backend(self.device, dt, attention_backend)
             self.attention_fn = cuda_paged_attention
-        if self.device.type == "cpu": keep_freed_memory()
+        if self.device.type == "cpu": release_freed_memory(); keep_freed_memory()    # what packing freed goes back first
         # one block past the block manager's `num_blocks`: scratch no sequence owns, for rows computed but never kept
         shape = (mc.num_layers, 2, num_blocks + 1, block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dt, device=self.device)
