@@ -12,9 +12,9 @@ import torch
 __all__ = ['OFFLINE_COLS', 'HTTP_COLS', 'WORDS', 'OV_RUNNER', 'PEER_COLS', 'OURS', 'BENCH_SCHEMA', 'STRUCTURED_COLS', 'Request',
            'make_workload', 'bench_hf_sequential', 'bench_hf_static', 'bench_engine', 'run_benchmark', 'format_table',
            'main', 'bench_http_text', 'bench_http', 'llama_cpp_available', 'run_http_sweep', 'plot_sweep',
-           'TextRequest', 'make_text_workload', 'Peer', 'peers_dir', 'run_offline_peer', 'find_peers',
+           'TextRequest', 'make_text_workload', 'Peer', 'peers_dir', 'run_offline_peer', 'llama_server', 'find_peers',
            'run_http_system', 'PeerRow', 'format_peer_table', 'run_peers', 'plot_peers', 'our_rows', 'peers_main',
-           'bench_state_stream', 'bench_structured']
+           'bench_state_stream', 'weight_bytes_per_token', 'read_bandwidth_gbs', 'bench_size', 'bench_structured']
 
 # %% ../nbs/12_benchmarks.ipynb
 @dataclass
@@ -113,14 +113,24 @@ def main(argv=None):
     ap.add_argument("--no-http", action="store_true", help="skip the HTTP servers and the concurrency sweep")
     ap.add_argument("--structured", action="store_true", help="only the cost of constrained decoding at batch 32 (free vs JSON Schema)")
     ap.add_argument("--state-stream", action="store_true", help="only the step loop's cost of the page's state stream at 32 clients (chapter 10b)")
+    ap.add_argument("--size", action="store_true", help="one user on --model (a folder) against llama.cpp on --gguf: TPOT, a 2,000-token prompt's TTFT, peak RSS")
+    ap.add_argument("--gguf", default=None, help="with --size: the GGUF of the same weights for llama.cpp's server (none: ours alone)")
+    ap.add_argument("--dtype", default="bfloat16", help="with --size: our dtype")
     a = ap.parse_args(argv)
     if a.peers: return peers_main(a)
+    if a.size:
+        if not a.model: raise SystemExit("--size needs --model DIR (tools/make_shape_model.py makes one of a real shape)")
+        res = bench_size(a.model, a.gguf, a.dtype, a.threads, peers=a.peers_dir, **(dict(n=2, max_tokens=8, long_words=200) if a.quick else {}))
+        print(json.dumps(res, indent=2))
+        if a.out:
+            with open(a.out, "w") as f: json.dump(res, f, indent=2)
+        return 0
     if a.state_stream:
         res = bench_state_stream(a.model, **(dict(clients=4, seconds=3, rounds=1) if a.quick else {}), threads=a.threads)
         print(json.dumps(res, indent=2))
         if a.out:
             with open(a.out, "w") as f: json.dump(res, f, indent=2)
-        return res
+        return 0
     if a.structured:
         res = bench_structured(**(dict(batch=4, max_tokens=8) if a.quick else {}), seed=a.seed, model=a.model)
         print(format_table(res, STRUCTURED_COLS)); return res
@@ -329,15 +339,18 @@ def run_offline_peer(peer: Peer, reqs, timeout=1800) -> dict:
     return dict(r, seconds=round(r["seconds"], 2), tok_s=round(r["output_tokens"] / r["seconds"], 1))
 
 # %% ../nbs/12_benchmarks.ipynb
-def _llama_cpp_peers(d: Path, threads, n, ctx) -> list[Peer]:
-    # under LLM_ENGINE_ISA=avx2, llama.cpp's own AVX2-only build (tools/setup_peers.sh) where there is one: the same ISA on both sides
+def llama_server(d: Path) -> Path:
+    "llama.cpp's server in the peers folder; under LLM_ENGINE_ISA=avx2 its AVX2-only build where there is one (the same ISA on both sides)."
     avx2 = d / "llama.cpp/build-avx2/bin/llama-server"
-    server, out = avx2 if CPU_ISA.name == "avx2" and avx2.exists() else d / "llama.cpp/build/bin/llama-server", []
+    return avx2 if CPU_ISA.name == "avx2" and avx2.exists() else d / "llama.cpp/build/bin/llama-server"
+
+def _llama_cpp_peers(d: Path, threads, n, ctx) -> list[Peer]:
+    server, out = llama_server(d), []
     for name, model, note in (("llama.cpp F32", d / "models/smollm2-f32.gguf", "F32 GGUF of the same weights; f16 KV cache (its default)"),
                               ("llama.cpp Q4_1", default_gguf_path(), "the Q4_1 GGUF the weights come from")):
         cmd = [str(server), "-m", str(model), "--host", "127.0.0.1", "--port", "{port}", "-t", str(threads), "-tb", str(threads),
                "--parallel", str(n), "-c", str(n * ctx)]     # n slots of ctx tokens each
-        note += "; llama.cpp built for AVX2 alone" if server == avx2 else ""
+        note += "; llama.cpp built for AVX2 alone" if "build-avx2" in str(server) else ""
         out.append(Peer(name, "http", cmd, str(model), note, reason=_missing(server, model) or _probe([server, "--version"])))
     return out
 
@@ -539,6 +552,56 @@ def bench_state_stream(model=None, clients=32, seconds=30.0, rounds=3, threads=2
     with ServerProcess(cmd) as srv:
         res = state_stream_cost(srv.base, clients=clients, seconds=seconds, viewers=viewers, rounds=rounds, max_tokens=max_tokens)
     return dict(machine=_machine(), threads=threads, seconds=seconds, **res)
+
+# %% ../nbs/12_benchmarks.ipynb
+import math
+
+def weight_bytes_per_token(model_dir, bytes_per_weight=2) -> int:
+    "Bytes of weights one decode step reads: every matrix, the embedding table only where the output head is tied to it."
+    from safetensors import safe_open
+    from llm_engine.model import weight_files
+    cfg, n = json.loads((Path(model_dir) / "config.json").read_text()), 0
+    for f in weight_files(model_dir):
+        with safe_open(f, framework="pt") as sf:
+            for k in sf.keys():
+                if "embed_tokens" in k and not cfg.get("tie_word_embeddings"): continue    # one row per token is read
+                n += math.prod(sf.get_slice(k).get_shape())
+    return n * bytes_per_weight
+
+def read_bandwidth_gbs(threads=2, mb=1024, rounds=5) -> float:
+    "Memory read bandwidth as a process with `threads` threads sees it: the best of `rounds` sums of an fp32 tensor bigger than any cache."
+    torch.set_num_threads(threads)
+    x, best = torch.ones(mb * 2**20 // 4), float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter(); x.sum(); best = min(best, time.perf_counter() - t)
+    return round(x.numel() * 4 / best / 1e9, 1)
+
+# %% ../nbs/12_benchmarks.ipynb
+def _one_user(name, cmd, reqs, long_prompt, body=None) -> dict:
+    "One server: warmed up, then `reqs` at one client and the long prompt alone; TPOT, TTFT and peak RSS."
+    with ServerProcess(cmd, timeout=1800) as srv:
+        asyncio.run(_drive(srv.base, ["A request that only warms the server up."], [4], 1, body or {}))
+        one = bench_http_text(name, srv, [r.prompt for r in reqs], [r.max_tokens for r in reqs], 1, {"ignore_eos": True, **(body or {})})
+        long = bench_http_text(name, srv, [long_prompt], [1], 1, body)
+        return dict(system=name, tpot_ms_p50=one["tpot_ms_p50"], ttft_ms_p50=one["ttft_ms_p50"], long_ttft_ms=long["ttft_ms_p50"],
+                    peak_rss_mb=_peak_rss_mb(srv.proc.pid))
+
+def bench_size(model, gguf=None, dtype="bfloat16", threads=2, n=8, words=(90, 110), max_tokens=64, long_words=1500, seed=0,
+               peers=None, extra=()) -> dict:
+    "One user on `model` (a folder) with our server, then on `gguf` with llama.cpp's (if given): TPOT, TTFT, a long prompt's TTFT, peak RSS."
+    from llm_engine.model import load_tokenizer, resolve_model
+    reqs, long_prompt = make_text_workload(n, words, max_tokens, seed), make_text_workload(1, (long_words, long_words), 1, seed + 1)[0].prompt
+    ours = [sys.executable, "-m", "llm_engine.cli", "serve", "--port", "{port}", "--log-level", "warning", "--threads", str(threads),
+            "--model", str(model), "--dtype", dtype, "--max-num-seqs", str(n), *extra]
+    rows = [_one_user(f"llm_engine {dtype}", ours, reqs, long_prompt)]
+    if gguf:
+        cmd = [str(llama_server(peers_dir(peers))), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}", "-t", str(threads),
+               "-tb", str(threads), "--parallel", "1", "-c", "4096"]
+        rows.append(_one_user(f"llama.cpp {Path(gguf).name}", cmd, reqs, long_prompt))
+    bw, wb = read_bandwidth_gbs(threads), weight_bytes_per_token(model, 4 if dtype == "float32" else 2)
+    for r in rows: r["bandwidth_share"] = round(wb / (r["tpot_ms_p50"] / 1e3) / (bw * 1e9), 3)
+    return dict(machine=_machine(), model=str(model), threads=threads, read_gbs=bw, weight_mb_per_token=round(wb / 2**20),
+                long_prompt_tokens=len(load_tokenizer(resolve_model(model))(long_prompt).input_ids), rows=rows)
 
 # %% ../nbs/12_benchmarks.ipynb
 BENCH_SCHEMA = {"type": "array", "minItems": 64, "items": {"type": "object", "properties": {

@@ -22,7 +22,10 @@ HELP = {
     "enable_prefix_caching": "turn the prefix cache off", "max_model_len": "prompt + output limit (default: the model's context)",
     "api_key": "require this bearer token (or env LLM_ENGINE_API_KEY)", "allowed_origins": "CORS origins, comma-separated ('*' for any)",
     "served_model_name": "the model's name in the API (default: the model's name without cache suffixes)",
-    "limit_concurrency": "connections beyond this get 503 (default: 90%% of the open-file limit)",
+    "limit_concurrency": "connections beyond this get 503 (default and ceiling: the connection cap plus half of --fd-reserve, printed at start)",
+    "timeout_request_head": "seconds a connection may stay without a request in progress before it is closed (slow or silent clients); 0: no limit",
+    "fd_reserve": "open files kept out of the connection cap (for accept(), /health, the engine's own files); the cap is printed at start",
+    "loop": "the event loop: auto (uvloop when installed), asyncio or uvloop",
     "timeout_keep_alive": "seconds before an idle keep-alive connection is closed",
     "stream_stall_timeout": "seconds a streaming client may leave output unread before its request is paused or aborted (0: never)",
     "stream_stall_action": "pause: stop computing a stalled request, KV kept, until its client reads; abort: cancel it",
@@ -39,7 +42,8 @@ FLAGS = {"num_threads": ["--threads", "--num-threads"], "enable_prefix_caching":
 SKIP = {"seed", "cache", "scheduler", "speculative"}   # the engine seed is not a CLI knob; sub-configs are flattened
 SIZES = {"kv_cache_memory", "swap_space", "max_body_bytes"}
 CHOICES = {"dtype": list(DTYPES), "quantization": list(QUANTIZATIONS), "attention_backend": ["auto", "cpp", "torch", "triton"],
-           "tool_call_parser": ["hermes"], "stream_stall_action": ["pause", "abort"], "scheduling_policy": ["fcfs", "sjf"]}
+           "tool_call_parser": ["hermes"], "stream_stall_action": ["pause", "abort"], "scheduling_policy": ["fcfs", "sjf"],
+           "loop": ["auto", "asyncio", "uvloop"]}
 
 def _arg_type(name, t: str):
     if name in SIZES: return str

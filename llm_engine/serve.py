@@ -128,8 +128,10 @@ class EngineReplica:
     def __init__(self, model=None, num_threads=1, served_model_name=None, api_key=None, **engine_kw):
         from llm_engine.engine import LLMEngine, AsyncLLMEngine
         from llm_engine.api import build_app
+        from llm_engine.cli import app_parts
         self.engine = LLMEngine(model=model, num_threads=num_threads, **engine_kw)
-        self.app = build_app(AsyncLLMEngine(self.engine).start(), served_model_name, api_key)
+        # the same routes as `llm-engine serve` (the Responses API, embeddings); the page stays with a single engine
+        self.app = build_app(AsyncLLMEngine(self.engine).start(), served_model_name, api_key, routers=app_parts()["routers"])
     async def call(self, method: str, path: str, body: bytes = b"", headers=()):
         "Stream one HTTP exchange with the replica's app: `(status, headers)`, then body chunks."
         async for item in asgi_stream(self.app, method, path, body, headers): yield item
