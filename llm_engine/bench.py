@@ -14,7 +14,8 @@ __all__ = ['OFFLINE_COLS', 'HTTP_COLS', 'WORDS', 'OV_RUNNER', 'PEER_COLS', 'OURS
            'main', 'bench_http_text', 'bench_http', 'llama_cpp_available', 'run_http_sweep', 'plot_sweep',
            'TextRequest', 'make_text_workload', 'Peer', 'peers_dir', 'run_offline_peer', 'llama_server', 'find_peers',
            'run_http_system', 'PeerRow', 'format_peer_table', 'run_peers', 'plot_peers', 'our_rows', 'peers_main',
-           'bench_state_stream', 'weight_bytes_per_token', 'read_bandwidth_gbs', 'bench_size', 'bench_structured']
+           'bench_state_stream', 'weight_bytes_per_token', 'read_bandwidth_gbs', 'kv_bytes_per_token', 'bench_size',
+           'bench_structured']
 
 # %% ../nbs/12_benchmarks.ipynb
 @dataclass
@@ -116,11 +117,12 @@ def main(argv=None):
     ap.add_argument("--size", action="store_true", help="one user on --model (a folder) against llama.cpp on --gguf: TPOT, a 2,000-token prompt's TTFT, peak RSS")
     ap.add_argument("--gguf", default=None, help="with --size: the GGUF of the same weights for llama.cpp's server (none: ours alone)")
     ap.add_argument("--dtype", default="bfloat16", help="with --size: our dtype")
+    ap.add_argument("--quantization", default=None, help="with --size: our quantization (int8, q4, w8a8), against the GGUF of matching bits")
     a = ap.parse_args(argv)
     if a.peers: return peers_main(a)
     if a.size:
         if not a.model: raise SystemExit("--size needs --model DIR (tools/make_shape_model.py makes one of a real shape)")
-        res = bench_size(a.model, a.gguf, a.dtype, a.threads, peers=a.peers_dir, **(dict(n=2, max_tokens=8, long_words=200) if a.quick else {}))
+        res = bench_size(a.model, a.gguf, a.dtype, a.threads, peers=a.peers_dir, quantization=a.quantization, **(dict(n=2, max_tokens=8, long_words=200) if a.quick else {}))
         print(json.dumps(res, indent=2))
         if a.out:
             with open(a.out, "w") as f: json.dump(res, f, indent=2)
@@ -586,21 +588,30 @@ def _one_user(name, cmd, reqs, long_prompt, body=None) -> dict:
         return dict(system=name, tpot_ms_p50=one["tpot_ms_p50"], ttft_ms_p50=one["ttft_ms_p50"], long_ttft_ms=long["ttft_ms_p50"],
                     peak_rss_mb=_peak_rss_mb(srv.proc.pid))
 
+def kv_bytes_per_token(model_dir, bytes_per_value=2) -> int:
+    "K and V of one token in every layer."
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return c["num_hidden_layers"] * 2 * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * bytes_per_value
+
 def bench_size(model, gguf=None, dtype="bfloat16", threads=2, n=8, words=(90, 110), max_tokens=64, long_words=1500, seed=0,
-               peers=None, extra=()) -> dict:
+               peers=None, ctx=4096, quantization=None, extra=()) -> dict:
     "One user on `model` (a folder) with our server, then on `gguf` with llama.cpp's (if given): TPOT, TTFT, a long prompt's TTFT, peak RSS."
     from llm_engine.model import load_tokenizer, resolve_model
     reqs, long_prompt = make_text_workload(n, words, max_tokens, seed), make_text_workload(1, (long_words, long_words), 1, seed + 1)[0].prompt
+    # the same KV capacity on both sides (`ctx` tokens; llama.cpp's cache is f16), and no swap space: RSS compares like with like
+    kv = kv_bytes_per_token(model, 4 if dtype == "float32" else 2) * ctx
     ours = [sys.executable, "-m", "llm_engine.cli", "serve", "--port", "{port}", "--log-level", "warning", "--threads", str(threads),
-            "--model", str(model), "--dtype", dtype, "--max-num-seqs", str(n), *extra]
-    rows = [_one_user(f"llm_engine {dtype}", ours, reqs, long_prompt)]
+            "--model", str(model), "--dtype", dtype, "--max-num-seqs", str(n), "--kv-cache-memory", str(kv), "--swap-space", "0",
+            *(["--quantization", quantization] if quantization else []), *extra]
+    rows = [_one_user(f"llm_engine {quantization or dtype}", ours, reqs, long_prompt)]
     if gguf:
         cmd = [str(llama_server(peers_dir(peers))), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}", "-t", str(threads),
-               "-tb", str(threads), "--parallel", "1", "-c", "4096"]
+               "-tb", str(threads), "--parallel", "1", "-c", str(ctx)]
         rows.append(_one_user(f"llama.cpp {Path(gguf).name}", cmd, reqs, long_prompt))
     bw, wb = read_bandwidth_gbs(threads), weight_bytes_per_token(model, 4 if dtype == "float32" else 2)
     for r in rows: r["bandwidth_share"] = round(wb / (r["tpot_ms_p50"] / 1e3) / (bw * 1e9), 3)
-    return dict(machine=_machine(), model=str(model), threads=threads, read_gbs=bw, weight_mb_per_token=round(wb / 2**20),
+    return dict(machine=_machine(), model=str(model), threads=threads, ctx=ctx, read_gbs=bw, weight_mb_per_token=round(wb / 2**20),
                 long_prompt_tokens=len(load_tokenizer(resolve_model(model))(long_prompt).input_ids), rows=rows)
 
 # %% ../nbs/12_benchmarks.ipynb
