@@ -568,7 +568,7 @@ def weight_bytes_per_token(model_dir, bytes_per_weight=2) -> int:
             for k in sf.keys():
                 if "embed_tokens" in k and not cfg.get("tie_word_embeddings"): continue    # one row per token is read
                 n += math.prod(sf.get_slice(k).get_shape())
-    return n * bytes_per_weight
+    return int(n * bytes_per_weight)
 
 def read_bandwidth_gbs(threads=2, mb=1024, rounds=5) -> float:
     "Memory read bandwidth as a process with `threads` threads sees it: the best of `rounds` sums of an fp32 tensor bigger than any cache."
@@ -594,7 +594,7 @@ def kv_bytes_per_token(model_dir, bytes_per_value=2) -> int:
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     return c["num_hidden_layers"] * 2 * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * bytes_per_value
 
-def bench_size(model, gguf=None, dtype="bfloat16", threads=2, n=8, words=(90, 110), max_tokens=64, long_words=1500, seed=0,
+def bench_size(model, gguf=None, dtype="bfloat16", threads=2, n=8, words=(90, 110), max_tokens=64, long_words=2000, seed=0,
                peers=None, ctx=4096, quantization=None, extra=()) -> dict:
     "One user on `model` (a folder) with our server, then on `gguf` with llama.cpp's (if given): TPOT, TTFT, a long prompt's TTFT, peak RSS."
     from llm_engine.model import load_tokenizer, resolve_model
@@ -609,7 +609,8 @@ def bench_size(model, gguf=None, dtype="bfloat16", threads=2, n=8, words=(90, 11
         cmd = [str(llama_server(peers_dir(peers))), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}", "-t", str(threads),
                "-tb", str(threads), "--parallel", "1", "-c", str(ctx)]
         rows.append(_one_user(f"llama.cpp {Path(gguf).name}", cmd, reqs, long_prompt))
-    bw, wb = read_bandwidth_gbs(threads), weight_bytes_per_token(model, 4 if dtype == "float32" else 2)
+    per_weight = {"q4": 20 / 32, "int8": 1, "w8a8": 1}.get(quantization, 4 if dtype == "float32" else 2)   # Q4_1: 20 bytes a block of 32
+    bw, wb = read_bandwidth_gbs(threads), weight_bytes_per_token(model, per_weight)
     for r in rows: r["bandwidth_share"] = round(wb / (r["tpot_ms_p50"] / 1e3) / (bw * 1e9), 3)
     return dict(machine=_machine(), model=str(model), threads=threads, ctx=ctx, read_gbs=bw, weight_mb_per_token=round(wb / 2**20),
                 long_prompt_tokens=len(load_tokenizer(resolve_model(model))(long_prompt).input_ids), rows=rows)

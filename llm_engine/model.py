@@ -17,10 +17,10 @@ from .attention import AttentionMetadata, store_kv, paged_attention, _gather
 
 # %% auto 0
 __all__ = ['ACT_FNS', 'MANIFEST', 'DEFAULT_GGUF', 'SECOND_COPY_MAX_BYTES', 'GatedMLP', 'make_rope', 'window_attention',
-           'LlamaAttention', 'LlamaDecoderLayer', 'Llama', 'weight_files', 'load_weights', 'clean_stale_temps',
-           'write_manifest', 'check_cached_model', 'default_gguf_path', 'gguf_config', 'convert_gguf', 'resolve_model',
-           'cached_conversion', 'load_model', 'load_tokenizer', 'PackedLinear', 'bound_onednn_caches',
-           'release_freed_memory', 'model_bytes', 'prepack_linears', 'keep_freed_memory']
+           'LlamaAttention', 'LlamaDecoderLayer', 'Llama', 'weight_files', 'safetensors_header', 'load_weights',
+           'clean_stale_temps', 'write_manifest', 'check_cached_model', 'default_gguf_path', 'gguf_config',
+           'convert_gguf', 'resolve_model', 'cached_conversion', 'load_model', 'load_tokenizer', 'PackedLinear',
+           'bound_onednn_caches', 'release_freed_memory', 'model_bytes', 'prepack_linears', 'keep_freed_memory']
 
 # %% ../nbs/05_model.ipynb
 ACT_FNS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
@@ -199,25 +199,48 @@ def weight_files(path) -> list[Path]:
     return [path / n for n in names]
 
 # %% ../nbs/05_model.ipynb
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+              "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+def safetensors_header(f) -> tuple[int, dict]:
+    "Where a safetensors file's data starts, and its tensors: `{key: {dtype, shape, data_offsets}}`."
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if n > Path(f).stat().st_size: raise ValueError(f"a header of {n} bytes in a file of {Path(f).stat().st_size}")
+        header = json.loads(fh.read(n))
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+def _read_tensor(fh, start: int, e: dict, dst: torch.Tensor):
+    "One tensor read from the open file into `dst`'s own memory; through a buffer of the file's dtype where they differ."
+    dt, (a, b) = _ST_DTYPES[e["dtype"]], e["data_offsets"]
+    same = dst.dtype == dt and dst.is_contiguous() and dst.device.type == "cpu"
+    buf = dst if same else torch.empty(tuple(e["shape"]), dtype=dt)
+    if buf.numel() * buf.element_size() != b - a: raise ValueError(f"{b - a} bytes for a {e['dtype']} tensor of shape {e['shape']}")
+    fh.seek(start + a)
+    if fh.readinto(memoryview(buf.view(-1).view(torch.uint8).numpy())) != b - a: raise ValueError("the file ends inside it")
+    if not same: dst.copy_(buf)
+
 def load_weights(model: Llama, path):
-    "Copy the safetensors weights in folder `path` into `model`; clear errors for missing, corrupt or misshaped tensors."
-    from safetensors import safe_open, SafetensorError
+    "Read the safetensors weights in folder `path` into `model`; clear errors for missing, corrupt or misshaped tensors."
+    # read(), not a memory map: a mapped shard's pages count in the RSS until it is closed (a 5 GB shard: 5 GB on top)
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
     for f in weight_files(path):
-        try:
-            with safe_open(f, framework="pt") as sf:
-                for key in sf.keys():
-                    if "rotary_emb" in key: continue
-                    name, rows = _target(model, key)
-                    if name not in params:
-                        if name == "lm_head.weight" and model.config.tie_word_embeddings: continue
-                        raise ValueError(f"Unexpected tensor {key!r} in {f}: not a weight of a {model.config.model_type} model")
-                    dst, t = params[name].data[rows], sf.get_tensor(key)
-                    if dst.shape != t.shape: raise ValueError(f"Tensor {key!r} in {f} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}")
-                    dst.copy_(t)
-                    filled[name] = filled.get(name, 0) + t.shape[0]
-        except SafetensorError as e: raise ValueError(f"Corrupt weights file {f}: {e}") from None
+        try: start, header = safetensors_header(f)
+        except (ValueError, UnicodeDecodeError) as e: raise ValueError(f"Corrupt weights file {f}: {e}") from None
+        with open(f, "rb") as fh:
+            for key, e in header.items():
+                if "rotary_emb" in key: continue
+                name, rows = _target(model, key)
+                if name not in params:
+                    if name == "lm_head.weight" and model.config.tie_word_embeddings: continue
+                    raise ValueError(f"Unexpected tensor {key!r} in {f}: not a weight of a {model.config.model_type} model")
+                dst, shape = params[name].data[rows], tuple(e.get("shape", ()))
+                if dst.shape != shape: raise ValueError(f"Tensor {key!r} in {f} has shape {shape}, expected {tuple(dst.shape)}")
+                try: _read_tensor(fh, start, e, dst)
+                except (ValueError, KeyError, TypeError) as err: raise ValueError(f"Corrupt weights file {f}: tensor {key!r}: {err}") from None
+                filled[name] = filled.get(name, 0) + shape[0]
     missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]
                and not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing: raise ValueError(f"Weights missing from {path}: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
