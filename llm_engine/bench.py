@@ -9,13 +9,13 @@ from dataclasses import dataclass, asdict
 import torch
 
 # %% auto 0
-__all__ = ['OFFLINE_COLS', 'HTTP_COLS', 'WORDS', 'OV_RUNNER', 'PEER_COLS', 'OURS', 'BENCH_SCHEMA', 'STRUCTURED_COLS', 'Request',
-           'make_workload', 'bench_hf_sequential', 'bench_hf_static', 'bench_engine', 'run_benchmark', 'format_table',
-           'main', 'bench_http_text', 'bench_http', 'llama_cpp_available', 'run_http_sweep', 'plot_sweep',
-           'TextRequest', 'make_text_workload', 'Peer', 'peers_dir', 'run_offline_peer', 'llama_server', 'find_peers',
-           'run_http_system', 'PeerRow', 'format_peer_table', 'run_peers', 'plot_peers', 'our_rows', 'peers_main',
-           'bench_state_stream', 'weight_bytes_per_token', 'read_bandwidth_gbs', 'kv_bytes_per_token', 'bench_size',
-           'bench_structured']
+__all__ = ['OFFLINE_COLS', 'HTTP_COLS', 'WORDS', 'OV_RUNNER', 'PEER_COLS', 'OURS', 'SIZE_COLS', 'BENCH_SCHEMA', 'STRUCTURED_COLS',
+           'Request', 'make_workload', 'bench_hf_sequential', 'bench_hf_static', 'bench_engine', 'run_benchmark',
+           'format_table', 'main', 'bench_http_text', 'bench_http', 'llama_cpp_available', 'run_http_sweep',
+           'plot_sweep', 'TextRequest', 'make_text_workload', 'Peer', 'peers_dir', 'run_offline_peer', 'llama_server',
+           'find_peers', 'run_http_system', 'PeerRow', 'format_peer_table', 'run_peers', 'plot_peers', 'our_rows',
+           'peers_main', 'bench_state_stream', 'weight_bytes_per_token', 'read_bandwidth_gbs', 'kv_bytes_per_token',
+           'bench_size', 'format_size_table', 'bench_structured']
 
 # %% ../nbs/12_benchmarks.ipynb
 @dataclass
@@ -594,8 +594,15 @@ def kv_bytes_per_token(model_dir, bytes_per_value=2) -> int:
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     return c["num_hidden_layers"] * 2 * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * bytes_per_value
 
+def _median_rows(runs: list) -> dict:
+    "A system's rounds in one row: the median of each timing, the largest peak RSS."
+    from statistics import median
+    keys = ("tpot_ms_p50", "ttft_ms_p50", "long_ttft_ms", "bandwidth_share")
+    return dict(system=runs[0]["system"], rounds=len(runs), **{k: round(median(r[k] for r in runs), 3) for k in keys},
+                peak_rss_mb=max(r["peak_rss_mb"] for r in runs))
+
 def bench_size(model, gguf=None, dtype="bfloat16", threads=2, n=8, words=(90, 110), max_tokens=64, long_words=2000, seed=0,
-               peers=None, ctx=4096, quantization=None, extra=()) -> dict:
+               peers=None, ctx=4096, quantization=None, rounds=2, extra=()) -> dict:
     "One user on `model` (a folder) with our server, then on `gguf` with llama.cpp's (if given): TPOT, TTFT, a long prompt's TTFT, peak RSS."
     from llm_engine.model import load_tokenizer, resolve_model
     reqs, long_prompt = make_text_workload(n, words, max_tokens, seed), make_text_workload(1, (long_words, long_words), 1, seed + 1)[0].prompt
@@ -604,16 +611,34 @@ def bench_size(model, gguf=None, dtype="bfloat16", threads=2, n=8, words=(90, 11
     ours = [sys.executable, "-m", "llm_engine.cli", "serve", "--port", "{port}", "--log-level", "warning", "--threads", str(threads),
             "--model", str(model), "--dtype", dtype, "--max-num-seqs", str(n), "--kv-cache-memory", str(kv), "--swap-space", "0",
             *(["--quantization", quantization] if quantization else []), *extra]
-    rows = [_one_user(f"llm_engine {quantization or dtype}", ours, reqs, long_prompt)]
-    if gguf:
-        cmd = [str(llama_server(peers_dir(peers))), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}", "-t", str(threads),
-               "-tb", str(threads), "--parallel", "1", "-c", str(ctx)]
-        rows.append(_one_user(f"llama.cpp {Path(gguf).name}", cmd, reqs, long_prompt))
+    systems = [(f"llm_engine {quantization or dtype}", ours)]
+    if gguf: systems.append((f"llama.cpp {Path(gguf).name}", [str(llama_server(peers_dir(peers))), "-m", str(gguf), "--host", "127.0.0.1",
+                             "--port", "{port}", "-t", str(threads), "-tb", str(threads), "--parallel", "1", "-c", str(ctx)]))
     per_weight = {"q4": 20 / 32, "int8": 1, "w8a8": 1}.get(quantization, 4 if dtype == "float32" else 2)   # Q4_1: 20 bytes a block of 32
-    bw, wb = read_bandwidth_gbs(threads), weight_bytes_per_token(model, per_weight)
-    for r in rows: r["bandwidth_share"] = round(wb / (r["tpot_ms_p50"] / 1e3) / (bw * 1e9), 3)
-    return dict(machine=_machine(), model=str(model), threads=threads, ctx=ctx, read_gbs=bw, weight_mb_per_token=round(wb / 2**20),
-                long_prompt_tokens=len(load_tokenizer(resolve_model(model))(long_prompt).input_ids), rows=rows)
+    wb, runs, bws = weight_bytes_per_token(model, per_weight), {name: [] for name, _ in systems}, []
+    for _ in range(rounds):       # alternated: the machine's memory bandwidth is shared and drifts (43 to 71 GB/s within an hour here)
+        for name, cmd in systems:
+            bws.append(read_bandwidth_gbs(threads))
+            r = _one_user(name, cmd, reqs, long_prompt)
+            r["bandwidth_share"] = round(wb / (r["tpot_ms_p50"] / 1e3) / (bws[-1] * 1e9), 3)
+            runs[name].append(r)
+    return dict(machine=_machine(), model=str(model), threads=threads, ctx=ctx, read_gbs=bws, weight_mb_per_token=round(wb / 2**20),
+                long_prompt_tokens=len(load_tokenizer(resolve_model(model))(long_prompt).input_ids),
+                rows=[_median_rows(rs) for rs in runs.values()], runs=runs)
+
+# %% ../nbs/12_benchmarks.ipynb
+SIZE_COLS = {"tpot_ms_p50": "TPOT p50, ms", "ttft_ms_p50": "TTFT p50, ms (~130-token prompts)", "long_ttft_ms": "TTFT, ms ({n}-token prompt)",
+             "peak_rss_mb": "peak RSS, MB", "bandwidth_share": "weight bytes per token / TPOT / read bandwidth"}
+
+def format_size_table(res) -> str:
+    "`bench_size`'s rows as a markdown table; where llama.cpp ran too, a last line with ours divided by its."
+    cols = {k: v.format(n=res["long_prompt_tokens"]) for k, v in SIZE_COLS.items()}
+    lines = ["| system | " + " | ".join(cols.values()) + " |", "|---" * (len(cols) + 1) + "|"]
+    lines += ["| " + r["system"] + " | " + " | ".join(f"{r[k]:g}" for k in cols) + " |" for r in res["rows"]]
+    if len(res["rows"]) == 2:
+        a, b = res["rows"]
+        lines.append("| ours / llama.cpp | " + " | ".join(f"{a[k] / b[k]:.2f}x" for k in cols) + " |")
+    return "\n".join(lines)
 
 # %% ../nbs/12_benchmarks.ipynb
 BENCH_SCHEMA = {"type": "array", "minItems": 64, "items": {"type": "object", "properties": {
