@@ -14,7 +14,7 @@ __all__ = ['OFFLINE_COLS', 'HTTP_COLS', 'WORDS', 'OV_RUNNER', 'PEER_COLS', 'OURS
            'format_table', 'main', 'bench_http_text', 'bench_http', 'llama_cpp_available', 'run_http_sweep',
            'plot_sweep', 'TextRequest', 'make_text_workload', 'Peer', 'peers_dir', 'run_offline_peer', 'llama_server',
            'find_peers', 'run_http_system', 'PeerRow', 'format_peer_table', 'run_peers', 'plot_peers', 'our_rows',
-           'peers_main', 'bench_state_stream', 'weight_bytes_per_token', 'read_bandwidth_gbs', 'kv_bytes_per_token',
+           'peers_main', 'bench_state_stream', 'checkpoint_bytes_per_token', 'read_bandwidth_gbs', 'kv_bytes_per_token',
            'bench_size', 'format_size_table', 'bench_structured']
 
 # %% ../nbs/12_benchmarks.ipynb
@@ -558,8 +558,8 @@ def bench_state_stream(model=None, clients=32, seconds=30.0, rounds=3, threads=2
 # %% ../nbs/12_benchmarks.ipynb
 import math
 
-def weight_bytes_per_token(model_dir, bytes_per_weight=2) -> int:
-    "Bytes of weights one decode step reads: every matrix, the embedding table only where the output head is tied to it."
+def checkpoint_bytes_per_token(model_dir, bytes_per_weight=2) -> int:
+    "`precision.weight_bytes_per_token` read off a checkpoint folder (no model loaded): every matrix, the embedding table only where the head is tied to it."
     from safetensors import safe_open
     from llm_engine.model import weight_files
     cfg, n = json.loads((Path(model_dir) / "config.json").read_text()), 0
@@ -615,7 +615,7 @@ def bench_size(model, gguf=None, dtype="bfloat16", threads=2, n=8, words=(90, 11
     if gguf: systems.append((f"llama.cpp {Path(gguf).name}", [str(llama_server(peers_dir(peers))), "-m", str(gguf), "--host", "127.0.0.1",
                              "--port", "{port}", "-t", str(threads), "-tb", str(threads), "--parallel", "1", "-c", str(ctx)]))
     per_weight = {"q4": 20 / 32, "int8": 1, "w8a8": 1}.get(quantization, 4 if dtype == "float32" else 2)   # Q4_1: 20 bytes a block of 32
-    wb, runs, bws = weight_bytes_per_token(model, per_weight), {name: [] for name, _ in systems}, []
+    wb, runs, bws = checkpoint_bytes_per_token(model, per_weight), {name: [] for name, _ in systems}, []
     for _ in range(rounds):       # alternated: the machine's memory bandwidth is shared and drifts (43 to 71 GB/s within an hour here)
         for name, cmd in systems:
             bws.append(read_bandwidth_gbs(threads))

@@ -20,7 +20,8 @@ __all__ = ['ACT_FNS', 'MANIFEST', 'DEFAULT_GGUF', 'SECOND_COPY_MAX_BYTES', 'Gate
            'LlamaAttention', 'LlamaDecoderLayer', 'Llama', 'weight_files', 'safetensors_header', 'load_weights',
            'clean_stale_temps', 'write_manifest', 'check_cached_model', 'default_gguf_path', 'gguf_config',
            'convert_gguf', 'resolve_model', 'cached_conversion', 'load_model', 'load_tokenizer', 'PackedLinear',
-           'bound_onednn_caches', 'release_freed_memory', 'model_bytes', 'prepack_linears', 'keep_freed_memory']
+           'bound_onednn_caches', 'release_freed_memory', 'model_bytes', 'second_copy_pays', 'prepack_linears',
+           'keep_freed_memory']
 
 # %% ../nbs/05_model.ipynb
 ACT_FNS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
@@ -296,12 +297,8 @@ def write_manifest(folder) -> Path:
 def _safetensors_complete(f: Path) -> bool:
     "A safetensors file is 8 bytes of header length, the JSON header, then data up to the header's last offset."
     try:
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            if n > f.stat().st_size: return False
-            header = json.loads(fh.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        return f.stat().st_size == 8 + n + end
+        start, header = safetensors_header(f)
+        return f.stat().st_size == start + max((v["data_offsets"][1] for v in header.values()), default=0)
     except (OSError, ValueError, KeyError, TypeError): return False
 
 def check_cached_model(folder) -> str|None:
@@ -479,18 +476,26 @@ def bound_onednn_caches(capacity=256) -> int:
     for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"): os.environ.setdefault(var, str(capacity))
     return int(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"])
 
+def _libc():
+    "The C library, for glibc's allocator knobs; None where it cannot be loaded."
+    try: return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError: return None
+
 def release_freed_memory() -> bool:
     "Hand the heap's free pages back to the OS once (glibc's `malloc_trim`); False where unsupported."
     # the weights that packing replaced were freed into the heap, not unmapped: glibc's mmap threshold had grown past their
     # size while loading; a 1.1B bf16 model's server held 0.9 GB more than its weights and cache until this
-    try: libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError: return False
+    libc = _libc()
     if not hasattr(libc, "malloc_trim"): return False
     libc.malloc_trim(0); return True
 
 SECOND_COPY_MAX_BYTES = 2**30     # a model's weights up to which a second copy in another layout may be kept for speed
 
 def model_bytes(model: nn.Module) -> int: return sum(p.numel() * p.element_size() for p in model.parameters())
+
+def second_copy_pays(model: nn.Module, max_bytes=None) -> bool:
+    "Whether `model` is small enough for a second copy of weights in another layout (default bound: `SECOND_COPY_MAX_BYTES`)."
+    return model_bytes(model) <= (SECOND_COPY_MAX_BYTES if max_bytes is None else max_bytes)
 
 def prepack_linears(model: nn.Module, max_bytes=None) -> nn.Module:
     "Replace every fp32 (or bf16, where oneDNN has bf16) CPU `nn.Linear` by a `PackedLinear` (idempotent)."
@@ -499,7 +504,7 @@ def prepack_linears(model: nn.Module, max_bytes=None) -> nn.Module:
     dtypes = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
     # a tied output head is the embedding table, which must stay plain for the lookups: packing it is a second copy
     tied = getattr(getattr(model, "embed_tokens", None), "weight", None)
-    big = model_bytes(model) > (SECOND_COPY_MAX_BYTES if max_bytes is None else max_bytes)
+    big = not second_copy_pays(model, max_bytes)
     step = getattr(model, "decode_step", None)
     if step is not None: step.layers = []     # its hold on the old modules would keep both copies alive to the end
     # the parents only: a list of every module would hold each replaced linear to the end
@@ -517,8 +522,7 @@ def prepack_linears(model: nn.Module, max_bytes=None) -> nn.Module:
 # %% ../nbs/05_model.ipynb
 def keep_freed_memory() -> bool:
     "Ask glibc to keep freed blocks up to 32 MiB in the heap instead of returning them to the OS; False where unsupported."
-    try: libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError: return False
+    libc = _libc()
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     return hasattr(libc, "mallopt") and bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
 

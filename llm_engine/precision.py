@@ -311,8 +311,8 @@ def fuse_decode(model, max_bytes=None) -> bool:
                       f"({', '.join(differs)}); decode steps take the layer loop")
     # plain bf16 weights for the one-call layer would sit beside prepack_linears' packed copy: kept for a small model, whose
     # steps are short enough for Python's calls to matter; past SECOND_COPY_MAX_BYTES the copy costs more than it buys
-    from llm_engine.model import model_bytes, SECOND_COPY_MAX_BYTES     # (05 loads this module lazily: no import at the top)
-    one_call = quantized or model_bytes(model) <= (SECOND_COPY_MAX_BYTES if max_bytes is None else max_bytes)
+    from llm_engine.model import second_copy_pays     # (05 loads this module lazily: no import at the top)
+    one_call = quantized or second_copy_pays(model, max_bytes)
     model.decode_step = FusedDecode(model, one_call) if ok and not differs else None
     return model.decode_step is not None
 
