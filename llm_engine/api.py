@@ -26,8 +26,9 @@ __all__ = ['log', 'PROTECTED', 'LOGPROB_FLOOR', 'router', 'TOOL_CALL_PARSERS', '
            'role_chunk', 'chat_stream', 'chat_chunks', 'merge', 'EventStream', 'completion_chunk', 'completion_stream',
            'echo_text', 'echo_logprobs', 'needs_prompt_logprobs', 'chat_completions', 'chat_response', 'completions',
            'completion_choice', 'token_piece', 'tokenize', 'detokenize', 'health', 'models', 'stats', 'metrics',
-           'debug_trace', 'load_chat_template', 'check_tool_call_parser', 'build_app', 'open_fds', 'FdBudget',
-           'FdGuard', 'guarded_protocol', 'GuardedSocket', 'raise_open_file_limit', 'listen_socket', 'serve']
+           'debug_trace', 'load_chat_template', 'check_tool_call_parser', 'model_generation_defaults', 'build_app',
+           'open_fds', 'FdBudget', 'FdGuard', 'guarded_protocol', 'GuardedSocket', 'raise_open_file_limit',
+           'listen_socket', 'serve']
 
 # %% ../nbs/10_api.ipynb
 log = logging.getLogger("llm_engine.api")
@@ -71,6 +72,7 @@ class ServerContext:
     aliases: set
     chat_template: str|None = None      # the template text, when the server was given one
     tool_call_parser: str = "hermes"
+    generation_defaults: dict = dataclasses.field(default_factory=dict)   # the model's generation_config.json (protocol)
     @property
     def engine(self): return self.aeng.engine
     @property
@@ -193,7 +195,7 @@ def prepare(ctx: ServerContext, req, ids, params, param):
     "(ids, params) for one prompt after truncation and fitting `max_tokens` to the context."
     if k := req.truncate_prompt_tokens: ids = ids[:k] if req.truncation_side == "right" else ids[-k:]
     if not ids: raise bad_request(param, "prompt must not be empty")
-    return ids, fit_to_context(params, len(ids), ctx.engine.max_model_len, ctx.kv_tokens, param)
+    return ids, fit_to_context(params, len(ids), ctx.engine.max_model_len, ctx.kv_tokens, param, ctx.generation_defaults.get("max_tokens"))
 
 
 # %% ../nbs/10_api.ipynb
@@ -447,7 +449,7 @@ router = APIRouter()
 
 def _params(ctx, req):
     check_supported(req); ctx.check_model(req.model)
-    params = to_sampling_params(req, ctx.tok, ctx.vocab_size)
+    params = to_sampling_params(req, ctx.tok, ctx.vocab_size, ctx.generation_defaults)
     return dataclasses.replace(params, prompt_logprobs=needs_prompt_logprobs(req))
 
 @router.post("/v1/chat/completions")
@@ -599,13 +601,20 @@ def check_tool_call_parser(name: str) -> str:
     return name
 
 # %% ../nbs/10_api.ipynb
+from .config import generation_defaults
+
+def model_generation_defaults(engine) -> dict:
+    "The sampling defaults of the served model's generation_config.json (chapter 9a applies them to requests that leave a field out)."
+    return {k: v for k, v in generation_defaults(engine.model_path).items() if k in GENERATION_DEFAULTS}
+
+# %% ../nbs/10_api.ipynb
 def build_app(aeng: AsyncLLMEngine, served_model_name=None, api_key=None, max_body_bytes=4 * 2**20, allowed_origins=None,
               chat_template=None, tool_call_parser="hermes", routers=(), hooks=()) -> FastAPI:
     "The OpenAI-compatible FastAPI app over a running `AsyncLLMEngine`; `chat_template` is a template file or text."
     name = served_model_name or clean_model_name(aeng.engine.model_name)
     app = FastAPI(title="llm_engine", version="0.1.0", lifespan=_lifespan)
     app.state.ctx = ServerContext(aeng, name, model_aliases(aeng.engine.model_name) | {name}, load_chat_template(chat_template),
-                                  check_tool_call_parser(tool_call_parser))
+                                  check_tool_call_parser(tool_call_parser), generation_defaults=model_generation_defaults(aeng.engine))
     for r in (router, *routers): app.include_router(r)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -10,14 +10,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from fastcore.basics import patch
 from .sampling import SamplingParams, BadParam
 from .structured import StructuredOutputsParams
+from .config import generation_defaults
 from .tool_parsers import validate_tools, tool_choice_structured_outputs, TOOL_CALL_END
 
 # %% auto 0
-__all__ = ['ROLES', 'INT64_MIN', 'INT64_MAX', 'UNSUPPORTED', 'APIError', 'bad_request', 'ContentPart', 'ChatMessage',
-           'StreamOptions', 'SamplingRequest', 'check_supported', 'ChatCompletionRequest', 'CompletionRequest',
-           'structured_outputs_of', 'to_sampling_params', 'fit_to_context', 'TokenizeRequest', 'DetokenizeRequest',
-           'PromptTokensDetails', 'Usage', 'CompletionChoice', 'ChatChoiceMessage', 'ChatChoice', 'ChatDeltaChoice',
-           'CompletionResponse', 'ChatCompletionResponse']
+__all__ = ['ROLES', 'INT64_MIN', 'INT64_MAX', 'UNSUPPORTED', 'GENERATION_DEFAULTS', 'APIError', 'bad_request', 'ContentPart',
+           'ChatMessage', 'StreamOptions', 'SamplingRequest', 'check_supported', 'ChatCompletionRequest',
+           'CompletionRequest', 'structured_outputs_of', 'to_sampling_params', 'default_sampling_params',
+           'fit_to_context', 'TokenizeRequest', 'DetokenizeRequest', 'PromptTokensDetails', 'Usage', 'CompletionChoice',
+           'ChatChoiceMessage', 'ChatChoice', 'ChatDeltaChoice', 'CompletionResponse', 'ChatCompletionResponse']
 
 # %% ../nbs/09a_protocol.ipynb
 class APIError(Exception):
@@ -255,14 +256,15 @@ def _stops(req) -> list[str]|str|None:
     if not (isinstance(req, ChatCompletionRequest) and req.tools and not req.parallel_tool_calls and req.tool_setup()[1] == "auto"): return req.stop
     return ([req.stop] if isinstance(req.stop, str) else list(req.stop or [])) + [TOOL_CALL_END]
 
-def to_sampling_params(req: SamplingRequest, tok, vocab_size: int) -> SamplingParams:
-    "Translate a request body into `SamplingParams`; `max_tokens` stays None (the room left, decided per prompt)."
-    V = vocab_size
+def to_sampling_params(req: SamplingRequest, tok, vocab_size: int, defaults: dict|None = None) -> SamplingParams:
+    "Translate a request body into `SamplingParams`; a field the request leaves out takes the model's `defaults`; `max_tokens` stays None."
+    V, d = vocab_size, {k: v for k, v in (defaults or {}).items() if k in GENERATION_DEFAULTS and k not in req.model_fields_set}
     mt = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    g = lambda k: d.get(k, getattr(req, k))
     try:
         return SamplingParams(
-            n=req.n, max_tokens=mt, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+            n=req.n, max_tokens=mt, temperature=g("temperature"), top_p=g("top_p"), top_k=g("top_k"), min_p=g("min_p"),
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, repetition_penalty=g("repetition_penalty"),
             seed=req.seed, stop=_stops(req), stop_token_ids=_token_ids("stop_token_ids", req.stop_token_ids, V), ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens, logprobs=req.num_logprobs(), prompt_logprobs=req.prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
@@ -273,14 +275,24 @@ def to_sampling_params(req: SamplingRequest, tok, vocab_size: int) -> SamplingPa
 
 
 # %% ../nbs/09a_protocol.ipynb
-def fit_to_context(params: SamplingParams, n_prompt: int, max_model_len: int, kv_tokens: int, param="prompt") -> SamplingParams:
-    "`params` with `max_tokens` decided for a prompt of `n_prompt` tokens; 400 `context_length_exceeded` when it cannot fit."
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+
+def default_sampling_params(model, **overrides) -> SamplingParams:
+    "`SamplingParams` with the defaults of `model`'s generation_config.json (an `LLM`, an `LLMEngine` or a folder), then `overrides`."
+    path = getattr(getattr(model, "engine", model), "model_path", model)
+    d = {k: v for k, v in generation_defaults(path).items() if k in GENERATION_DEFAULTS}
+    return SamplingParams(**{**d, **overrides})
+
+# %% ../nbs/09a_protocol.ipynb
+def fit_to_context(params: SamplingParams, n_prompt: int, max_model_len: int, kv_tokens: int, param="prompt",
+                   default_max: int|None = None) -> SamplingParams:
+    "`params` with `max_tokens` decided for a prompt of `n_prompt` tokens (at most `default_max`, the model's own); 400 when it cannot fit."
     room = max_model_len - n_prompt
     if room < 1:
         raise bad_request(param, f"This model's maximum context length is {max_model_len} tokens, but the prompt has {n_prompt} tokens",
                           code="context_length_exceeded")
     if params.max_tokens is None:
-        try: return dataclasses.replace(params, max_tokens=max(1, min(room, kv_tokens - n_prompt)))
+        try: return dataclasses.replace(params, max_tokens=max(1, min(room, kv_tokens - n_prompt, default_max or room)))
         except BadParam as e: raise bad_request(e.param, f"{e} (max_tokens defaults to the {room} tokens left in the context)") from None
     if params.max_tokens > room:
         raise bad_request("max_tokens", f"This model's maximum context length is {max_model_len} tokens. However, you requested "

@@ -137,8 +137,8 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> tuple[ChatComple
     convo = history + input_messages(req.input)
     msgs = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + convo
     tools = chat_tools(req.tools)
-    chat = ChatCompletionRequest(messages=msgs, model=req.model, max_tokens=req.max_output_tokens, temperature=req.temperature,
-                                 top_p=req.top_p, seed=req.seed, tools=tools, parallel_tool_calls=req.parallel_tool_calls,
+    chat = ChatCompletionRequest(messages=msgs, model=req.model, max_tokens=req.max_output_tokens, seed=req.seed,
+                                 **{k: getattr(req, k) for k in ("temperature", "top_p") if k in req.model_fields_set}, tools=tools, parallel_tool_calls=req.parallel_tool_calls,
                                  tool_choice=chat_tool_choice(req.tool_choice) if tools else None, response_format=chat_response_format(req.text),
                                  stream=req.stream, **({"add_generation_prompt": True} if convo[-1]["role"] == "assistant" else {}))
     if req.tool_choice not in (None, "none", "auto") and not tools: raise bad_request("tool_choice", "tool_choice needs tools")
