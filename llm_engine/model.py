@@ -5,6 +5,7 @@
 # %% ../nbs/05_model.ipynb 3
 from __future__ import annotations
 import ctypes, ctypes.util, hashlib, importlib.util, json, math, os, re, shutil, sys, warnings
+from collections import Counter
 from functools import partial
 from pathlib import Path
 import torch
@@ -16,12 +17,12 @@ from .layers import RMSNorm, SwiGLU
 from .attention import AttentionMetadata, store_kv, paged_attention, _gather
 
 # %% auto 0
-__all__ = ['ACT_FNS', 'MANIFEST', 'DEFAULT_GGUF', 'SECOND_COPY_MAX_BYTES', 'GatedMLP', 'make_rope', 'window_attention',
+__all__ = ['ACT_FNS', 'MANIFEST', 'DEFAULT_GGUF', 'AS_READ', 'SECOND_COPY_MAX_BYTES', 'GatedMLP', 'make_rope', 'window_attention',
            'LlamaAttention', 'LlamaDecoderLayer', 'Llama', 'weight_files', 'safetensors_header', 'load_weights',
            'clean_stale_temps', 'write_manifest', 'check_cached_model', 'default_gguf_path', 'gguf_config',
-           'convert_gguf', 'resolve_model', 'cached_conversion', 'load_model', 'load_tokenizer', 'PackedLinear',
-           'bound_onednn_caches', 'release_freed_memory', 'model_bytes', 'second_copy_pays', 'prepack_linears',
-           'keep_freed_memory']
+           'convert_gguf', 'resolve_model', 'cached_conversion', 'empty_model', 'load_model', 'load_tokenizer',
+           'PackedLinear', 'bound_onednn_caches', 'release_freed_memory', 'model_bytes', 'second_copy_pays',
+           'prepack_linears', 'keep_freed_memory']
 
 # %% ../nbs/05_model.ipynb
 ACT_FNS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
@@ -228,11 +229,12 @@ def _mapped(f, start: int, e: dict) -> torch.Tensor:
     try: return torch.from_file(str(f), shared=False, size=start + b, dtype=torch.uint8)[start + a:start + b].view(_ST_DTYPES[e["dtype"]]).view(tuple(e["shape"]))
     except (RuntimeError, KeyError): return None     # an offset the dtype cannot view, say: read it instead
 
-def load_weights(model: Llama, path):
+def load_weights(model: Llama, path, when_full=None):
     "Read the safetensors weights in folder `path` into `model`; clear errors for missing, corrupt or misshaped tensors."
     # read(), not a memory map: a mapped shard's pages count in the RSS until it is closed (a 5 GB shard: 5 GB on top)
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
+    unread = Counter(n.rpartition(".")[0] for n in params)     # per module: its parameters not yet read in full
     for f in weight_files(path):
         try: start, header = safetensors_header(f)
         except (ValueError, UnicodeDecodeError) as e: raise ValueError(f"Corrupt weights file {f}: {e}") from None
@@ -243,6 +245,7 @@ def load_weights(model: Llama, path):
                 if name not in params:
                     if name == "lm_head.weight" and model.config.tie_word_embeddings: continue
                     raise ValueError(f"Unexpected tensor {key!r} in {f}: not a weight of a {model.config.model_type} model")
+                if params[name].is_meta: _materialize(model, params, name)
                 dst, shape = params[name].data[rows], tuple(e.get("shape", ()))
                 if dst.shape != shape: raise ValueError(f"Tensor {key!r} in {f} has shape {shape}, expected {tuple(dst.shape)}")
                 if (name == "embed_tokens.weight" and not model.config.tie_word_embeddings and dst.device.type == "cpu"
@@ -253,6 +256,7 @@ def load_weights(model: Llama, path):
                 try: _read_tensor(fh, start, e, dst)
                 except (ValueError, KeyError, TypeError) as err: raise ValueError(f"Corrupt weights file {f}: tensor {key!r}: {err}") from None
                 filled[name] = filled.get(name, 0) + shape[0]
+                if when_full is not None and filled[name] == params[name].shape[0]: _module_read(params, name, unread, when_full)
     missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]
                and not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing: raise ValueError(f"Weights missing from {path}: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -260,6 +264,20 @@ def load_weights(model: Llama, path):
         for m in model.modules():
             if isinstance(m, RMSNorm): m.weight.data += model.config.norm_offset
     return model
+
+def _module_read(params: dict, name: str, unread: Counter, when_full):
+    "One more parameter of `name`'s module read in full: the last one hands the module to `when_full`, and lets its memory go."
+    mod = name.rpartition(".")[0]
+    unread[mod] -= 1
+    if unread[mod]: return
+    if when_full(mod):     # it replaced the module: the parameters read are garbage now, not held here to the end
+        for n in [n for n in params if n.rpartition(".")[0] == mod]: params[n] = torch.empty(params[n].shape, device="meta")
+
+def _materialize(model: Llama, params: dict, name: str):
+    "A module left on the meta device (to be quantized as read) gets CPU memory when its first tensor arrives."
+    mod = name.rpartition(".")[0]
+    model.get_submodule(mod).to_empty(device="cpu", recurse=False)
+    params.update(model.get_submodule(mod).named_parameters(prefix=mod, recurse=False))
 
 # %% ../nbs/05_model.ipynb
 MANIFEST = "llm_engine_manifest.json"
@@ -431,17 +449,38 @@ def _matrices_to(m: nn.Module, dtype):
     for mod in m.modules():
         if isinstance(mod, (nn.Linear, nn.Embedding)): mod.to(dtype)
 
+AS_READ = ("int8", "q4")     # quantized layer by layer as the file is read; w8a8 calibrates on the whole fp32 model first
+
+def _quantize_as_read(m: Llama, method: str):
+    "A `load_weights` hook: each linear quantized the moment its weights are read, so fp32 copies are never all in memory."
+    from llm_engine.precision import QUANTIZERS     # notebook 05b (loaded lazily: it imports this module)
+    def when_full(name: str) -> bool:
+        parent, _, child = name.rpartition(".")
+        lin = m.get_submodule(name)
+        if type(lin) is not nn.Linear: return False
+        setattr(m.get_submodule(parent), child, QUANTIZERS[method](lin, child, None)); return True
+    return when_full
+
+def empty_model(mc: ModelConfig, dtype=None, device="cpu", lazy_linears=False, embed_dtype=None) -> Llama:
+    "Our `Llama` with memory for its weights, not filled: the matrices in `dtype` (None: fp32); linears left on the meta device if `lazy_linears`."
+    with torch.device("meta"): m = Llama(mc)
+    if dtype is not None: _matrices_to(m, dtype)   # a 1B model's fp32 copy would be 4 GB held for nothing
+    if embed_dtype is not None: m.embed_tokens.to(embed_dtype)
+    for mod in m.modules():        # weights are copied straight from the file into device memory
+        if not (lazy_linears and type(mod) is nn.Linear): mod.to_empty(device=device, recurse=False)
+    m.build_rope(device)
+    if mc.tie_word_embeddings: m.lm_head.weight = m.embed_tokens.weight
+    return m
+
 def load_model(model=None, dtype=torch.float32, device="cpu", quantization=None) -> tuple[Llama, Path]:
     "Our `Llama` with weights loaded on `device` (linears quantized if asked: notebook 05b), and the folder it came from."
     path = resolve_model(model)
     mc = ModelConfig.from_pretrained(path)
-    with torch.device("meta"): m = Llama(mc)
-    if quantization is None: _matrices_to(m, dtype)   # a 1B model's fp32 copy would be 4 GB held for nothing
-    m = m.to_empty(device=device)     # weights are copied straight from the file into device memory
-    m.build_rope(device)
-    if mc.tie_word_embeddings: m.lm_head.weight = m.embed_tokens.weight
-    m = load_weights(m, path)
-    if quantization is not None:     # from the fp32 weights, before the cast (notebook 05b)
+    as_read = quantization in AS_READ and device == "cpu"
+    # an untied table is not quantized: in `dtype` from the start, it is mapped from the file as an unquantized model's is
+    m = empty_model(mc, None if quantization else dtype, device, as_read, dtype if as_read and not mc.tie_word_embeddings else None)
+    m = load_weights(m, path, _quantize_as_read(m, quantization) if as_read else None)
+    if quantization is not None:     # from the fp32 weights, before the cast (notebook 05b): what was not done as read
         from llm_engine.precision import quantize_linears
         quantize_linears(m, quantization, path)
     m = m.to(dtype).eval()

@@ -19,8 +19,8 @@ from .rope import RotaryEmbedding
 __all__ = ['STEP_KERNELS_SRC', 'NO_SCALES', 'Q4_GROUP', 'Q4_BYTES', 'W8A8_ALPHA', 'CALIBRATION_CHAT', 'QUANTIZERS',
            'load_step_kernels', 'widen_buffer', 'WeightOnlyLinear', 'int8_rows', 'Int8Linear', 'Bf16Linear',
            'quantize_q4', 'dequantize_q4', 'Q4Linear', 'forward_logits', 'calibration_ids', 'activation_ranges',
-           'W8A8Linear', 'quantize_linears', 'replace_linears', 'FusedDecode', 'widen_bf16_linears', 'fuse_decode',
-           'Agreement', 'compare_logits', 'best_of', 'weight_bytes_per_token']
+           'W8A8Linear', 'quantize_linears', 'bound_dequantized_copies', 'replace_linears', 'FusedDecode',
+           'widen_bf16_linears', 'fuse_decode', 'Agreement', 'compare_logits', 'best_of', 'weight_bytes_per_token']
 
 # %% ../nbs/05b_precision.ipynb
 STEP_KERNELS_SRC = (Path(llm_engine.__file__).parent / "csrc" / "decode_step.cpp").read_text()
@@ -29,12 +29,12 @@ def load_step_kernels() -> str|None:
     "Our decode-step kernels (`csrc/decode_step.cpp`: the int8 matmul, the fused small ops and layer): `None` if loaded, else why not."
     return build_cpu_kernel("llm_engine_decode_step", STEP_KERNELS_SRC)
 
-_WIDE = [torch.empty(0)]
+_WIDE: dict = {}
 
-def widen_buffer(n: int) -> torch.Tensor:
-    "A shared fp32 buffer of `n` elements: one per process, grown to the largest weight widened so far (the forward runs on one thread)."
-    if _WIDE[0].numel() < n: _WIDE[0] = torch.empty(n)
-    return _WIDE[0][:n]
+def widen_buffer(n: int, dtype=torch.float32) -> torch.Tensor:
+    "A shared buffer of `n` elements: one per dtype and process, grown to the largest weight widened so far (the forward runs on one thread)."
+    if dtype not in _WIDE or _WIDE[dtype].numel() < n: _WIDE[dtype] = torch.empty(n, dtype=dtype)
+    return _WIDE[dtype][:n]
 
 NO_SCALES = torch.empty(0)
 
@@ -44,6 +44,7 @@ class WeightOnlyLinear(nn.Module):
     # against an fp32 matmul on the weight widened per call where it does not (AVX2: 24 rows for int8 and bf16 weights)
     small_batch = 4 if CPU_ISA.bf16 else 24
     widen_large = not CPU_ISA.bf16     # large batches: fp32 matmul on the weight widened per call, not a bf16 copy
+    keep_copy = True      # with bf16 arithmetic: keep the dequantized bf16 weight (False past a bound: `bound_dequantized_copies`)
     def __init__(self, lin: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
@@ -61,10 +62,11 @@ class WeightOnlyLinear(nn.Module):
         return y.reshape(*lead, self.out_features).to(x.dtype)
     def large_batch(self, x2):
         "Large batches are compute-bound: a bf16 matmul on the dequantized weight made once, or without bf16 arithmetic an fp32 one on it widened per call."
-        if x2.device.type == "cpu" and self.widen_large:     # no second copy of the weights: one shared buffer
-            w = widen_buffer(self.out_features * self.in_features).view(self.out_features, self.in_features)
+        if x2.device.type == "cpu" and (self.widen_large or not self.keep_copy):  # no second copy of the weights: one shared buffer
+            dt = torch.float32 if self.widen_large else torch.bfloat16
+            w = widen_buffer(self.out_features * self.in_features, dt).view(self.out_features, self.in_features)
             self.dequantize_into(w)
-            return F.linear(x2.float(), w)
+            return F.linear(x2.to(dt), w)
         onednn = x2.device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         if self.packed is None:     # packed for oneDNN where it has bf16, else kept plain for F.linear
             w = self.dequantized().to(x2.device, torch.bfloat16)
@@ -72,12 +74,15 @@ class WeightOnlyLinear(nn.Module):
         return (torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16), self.packed, None, "none", [], "") if onednn
                 else F.linear(x2.to(torch.bfloat16), self.packed))
 
-def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_rows(w: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     "`w` [N, K] as int8 with one scale per row, symmetric: `(q, scales)`, q int8 [N, K], scales bf16 [N]."
-    w = w.detach().float()
-    # the scale is rounded to bf16 first, so the int8 values are chosen for the scale the kernel will use
-    scales = (w.abs().amax(1).clamp(min=1e-12) / 127).to(torch.bfloat16)
-    return torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scales
+    q, scales = torch.empty(w.shape, dtype=torch.int8), torch.empty(w.shape[0], dtype=torch.bfloat16)
+    for r in range(0, w.shape[0], chunk):   # rows a chunk at a time: a 1.1B model's 400 MB output head made 1.2 GB of temporaries
+        c = w[r:r + chunk].detach().float()
+        # the scale is rounded to bf16 first, so the int8 values are chosen for the scale the kernel will use
+        scales[r:r + chunk] = s = (c.abs().amax(1).clamp(min=1e-12) / 127).to(torch.bfloat16)
+        q[r:r + chunk] = torch.round(c / s.float()[:, None]).clamp(-127, 127)
+    return q, scales
 
 class Int8Linear(WeightOnlyLinear):
     "int8 weights with one scale per output channel (symmetric, from the fp32 weights)."
@@ -237,7 +242,19 @@ def quantize_linears(model: nn.Module, method: str = "int8", model_path=None) ->
         if model_path is None: raise ValueError("w8a8 calibrates on the model's tokenizer: pass model_path")
         from llm_engine.model import load_tokenizer
         ranges = activation_ranges(model, calibration_ids(load_tokenizer(model_path)))
-    return replace_linears(model, lambda lin, name: QUANTIZERS[method](lin, name.rpartition(".")[2], ranges.get(name)))
+    replace_linears(model, lambda lin, name: QUANTIZERS[method](lin, name.rpartition(".")[2], ranges.get(name)))
+    bound_dequantized_copies(model)
+    return model
+
+def bound_dequantized_copies(model: nn.Module, max_bytes=None) -> bool:
+    "Whether the weight-only layers keep dequantized bf16 copies for large batches: only while all of them fit the bound."
+    # a 1.1B model's copies are 2.2 GB beside 0.7 GB of Q4 blocks: past SECOND_COPY_MAX_BYTES (05) each large batch
+    # dequantizes into one shared bf16 buffer instead (about 0.13 ms per million weights, once per prefill step)
+    from llm_engine.model import SECOND_COPY_MAX_BYTES     # (05 loads this module lazily: no import at the top)
+    lins = [q for q in model.modules() if isinstance(q, WeightOnlyLinear)]
+    keep = sum(2 * q.in_features * q.out_features for q in lins) <= (SECOND_COPY_MAX_BYTES if max_bytes is None else max_bytes)
+    for q in lins: q.keep_copy = keep
+    return keep
 
 def replace_linears(model: nn.Module, make) -> nn.Module:
     "Replace every plain `nn.Linear` by `make(linear, its full name)` (which may return it unchanged)."

@@ -320,22 +320,33 @@ static void matmul_q4_into(const float* xp, int64_t M, int64_t K, const uint8_t*
 
 // the fp32 weights [N, K] that Q4 rows w stand for (d q + m, one rounding), written into out: a large batch's matmul
 // reads them from there (a buffer reused across layers, not a second copy of the model)
-void q4_dequantize(const at::Tensor& w_, at::Tensor out) {
-  const at::Tensor w = w_.contiguous();
-  const int64_t N = w.size(0), G = w.size(1) / Q4_BYTES, K = G * Q4_GROUP;
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.size(1) % Q4_BYTES == 0 && G % 2 == 0, "q4_dequantize: Q4 rows [N, K / 32 * 20]");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == N * K, "q4_dequantize: out fp32 [N, K], contiguous");
-  const uint8_t* wp = w.data_ptr<uint8_t>(); float* op = out.data_ptr<float>();
+// T = float, or bf16 for a large batch's bf16 matmul on a model too big to keep a dequantized copy (each value
+// computed in fp32 and rounded once, as the packed copy's `.to(bfloat16)` rounds it)
+template <typename T>
+static void q4_dequantize_rows(const uint8_t* wp, int64_t N, int64_t G, T* op) {
+  const int64_t K = G * Q4_GROUP;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t *row = wp + n * G * Q4_BYTES, *qs = row + 4 * G;
       for (int64_t g = 0; g < G; ++g) {
         const float d = half_bits(row + 4 * g), mn = half_bits(row + 4 * g + 2);
-        const uint8_t* b = qs + 32 * (g / 2) + g % 2; float* o = op + n * K + g * Q4_GROUP;
-        for (int j = 0; j < 16; ++j) { o[j] = std::fma(d, (float)(b[2 * j] & 15), mn); o[j + 16] = std::fma(d, (float)(b[2 * j] >> 4), mn); }
+        const uint8_t* b = qs + 32 * (g / 2) + g % 2; T* o = op + n * K + g * Q4_GROUP;
+        for (int j = 0; j < 16; ++j) {
+          o[j] = static_cast<T>(std::fma(d, (float)(b[2 * j] & 15), mn)); o[j + 16] = static_cast<T>(std::fma(d, (float)(b[2 * j] >> 4), mn));
+        }
       }
     }
   });
+}
+
+void q4_dequantize(const at::Tensor& w_, at::Tensor out) {
+  const at::Tensor w = w_.contiguous();
+  const int64_t N = w.size(0), G = w.size(1) / Q4_BYTES, K = G * Q4_GROUP;
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.size(1) % Q4_BYTES == 0 && G % 2 == 0, "q4_dequantize: Q4 rows [N, K / 32 * 20]");
+  TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16) && out.is_contiguous() && out.numel() == N * K,
+              "q4_dequantize: out fp32 or bf16 [N, K], contiguous");
+  if (out.scalar_type() == at::kFloat) q4_dequantize_rows(w.data_ptr<uint8_t>(), N, G, out.data_ptr<float>());
+  else q4_dequantize_rows(w.data_ptr<uint8_t>(), N, G, out.data_ptr<at::BFloat16>());
 }
 
 // x [M, K] fp32 or bf16, w [N, K / 32 * 20] uint8 (Q4_1 blocks, laid out as above) -> [M, N] in x's dtype (the arithmetic is fp32)
