@@ -15,20 +15,20 @@ from fastcore.basics import patch
 from .engine import AsyncLLMEngine, QueueFull, RequestOutput
 from .metrics import engine_stats, prometheus_text
 from .protocol import *
-from .tool_parsers import render_tool_messages, parse_tool_calls, ToolCallStreamParser
+from .tool_parsers import render_tool_messages, tool_stream_parser, parse_tool_output, choose_tool_format, TOOL_FORMATS
 
 # %% auto 0
 __all__ = ['log', 'PROTECTED', 'LOGPROB_FLOOR', 'router', 'TOOL_CALL_PARSERS', 'SEND_BUFFER', 'ServerConfig', 'clean_model_name',
            'model_aliases', 'ServerContext', 'Guard', 'error_json', 'render_chat', 'chat_messages', 'chat_prompt_ids',
-           'tools_active', 'check_token_ids', 'completion_prompt_ids', 'prepare', 'start', 'start_all', 'ClientGone',
-           'until_done', 'tok_str', 'json_logprob', 'chat_logprobs', 'completion_logprobs', 'join_logprobs',
-           'prompt_logprobs_json', 'usage', 'finish_reason', 'sse', 'sse_error', 'output_error', 'Cursor', 'chat_chunk',
-           'role_chunk', 'chat_stream', 'chat_chunks', 'merge', 'EventStream', 'completion_chunk', 'completion_stream',
-           'echo_text', 'echo_logprobs', 'needs_prompt_logprobs', 'chat_completions', 'chat_response', 'completions',
-           'completion_choice', 'token_piece', 'tokenize', 'detokenize', 'health', 'models', 'stats', 'metrics',
-           'debug_trace', 'load_chat_template', 'check_tool_call_parser', 'model_generation_defaults', 'build_app',
-           'open_fds', 'FdBudget', 'FdGuard', 'guarded_protocol', 'GuardedSocket', 'raise_open_file_limit',
-           'listen_socket', 'serve']
+           'tools_active', 'tool_limit', 'check_token_ids', 'completion_prompt_ids', 'prepare', 'start', 'start_all',
+           'ClientGone', 'until_done', 'tok_str', 'json_logprob', 'chat_logprobs', 'completion_logprobs',
+           'join_logprobs', 'prompt_logprobs_json', 'usage', 'finish_reason', 'sse', 'sse_error', 'output_error',
+           'Cursor', 'chat_chunk', 'role_chunk', 'chat_stream', 'chat_chunks', 'merge', 'EventStream',
+           'completion_chunk', 'completion_stream', 'echo_text', 'echo_logprobs', 'needs_prompt_logprobs',
+           'chat_completions', 'chat_response', 'completions', 'completion_choice', 'token_piece', 'tokenize',
+           'detokenize', 'health', 'models', 'stats', 'metrics', 'debug_trace', 'load_chat_template',
+           'check_tool_call_parser', 'model_generation_defaults', 'build_app', 'open_fds', 'FdBudget', 'FdGuard',
+           'guarded_protocol', 'GuardedSocket', 'raise_open_file_limit', 'listen_socket', 'serve']
 
 # %% ../nbs/10_api.ipynb
 log = logging.getLogger("llm_engine.api")
@@ -49,7 +49,7 @@ class ServerConfig:
     fd_reserve: int = 64                   # open files kept out of the connection cap: accept(), /health, the engine's own files
     loop: str = "auto"                     # the event loop: auto (uvloop when installed), asyncio or uvloop
     chat_template: str|None = None         # a Jinja chat template file used instead of the model's
-    tool_call_parser: str = "hermes"       # how tool calls are written and parsed (the default format of chapter 6b)
+    tool_call_parser: str = "auto"         # how tool calls are written and parsed (chapter 6b): auto (from the chat template), hermes, llama3_json, mistral
     log_level: str = "info"
     replicas: int = 1                      # engine replicas behind one endpoint on Ray Serve (chapter 11c; pip install ".[ray]")
     ray_address: str|None = None           # join this Ray cluster ("auto", "HOST:6379") instead of starting one
@@ -71,20 +71,28 @@ class ServerContext:
     name: str
     aliases: set
     chat_template: str|None = None      # the template text, when the server was given one
-    tool_call_parser: str = "hermes"
+    tool_call_parser: str = "hermes"    # the format (chapter 6b), `auto` already resolved
     generation_defaults: dict = dataclasses.field(default_factory=dict)   # the model's generation_config.json (protocol)
     @property
     def engine(self): return self.aeng.engine
     @property
     def template_has_tools(self) -> bool:
         "Whether the chat template renders `tools` itself (else the default Hermes-style block is used)."
-        return "tools" in (self.chat_template or self.tok.chat_template or "")
+        return "tools" in self.template_text
+    @property
+    def template_text(self) -> str: return self.chat_template or str(self.tok.chat_template or "")
     @property
     def tok(self): return self.aeng.engine.tokenizer
     @property
     def vocab_size(self): return self.aeng.engine.model.config.vocab_size
     @property
     def kv_tokens(self): bm = self.engine.block_manager; return bm.num_blocks * bm.block_size
+
+    @functools.cached_property
+    def marker_is_special(self) -> bool:
+        "Whether the format's call marker is one of the tokenizer's special tokens (dropped from the text unless kept)."
+        f = TOOL_FORMATS.get(self.tool_call_parser)
+        return f is not None and any(m and m in self.tok.all_special_tokens + list(self.tok.get_added_vocab()) for m in f.opens)
 
     def check_model(self, m):
         if m and m not in self.aliases:
@@ -173,11 +181,22 @@ def chat_prompt_ids(ctx: ServerContext, req) -> list[int]:
     shown, msgs, cont = tools if choice != "none" else [], chat_messages(req), req.continues()
     gen = req.add_generation_prompt and not cont
     kw = {**(req.chat_template_kwargs or {}), **({"chat_template": ctx.chat_template} if ctx.chat_template else {})}
-    if ctx.template_has_tools: return render_chat(ctx.tok, msgs, gen, cont, **({"tools": shown} if shown else {}), **kw)
-    if shown or any(m["role"] == "tool" or m.get("tool_calls") for m in msgs): msgs = render_tool_messages(msgs, shown)
+    if ctx.template_has_tools: return render_chat(ctx.tok, [_args_as_objects(m) for m in msgs], gen, cont, **({"tools": shown} if shown else {}), **kw)
+    if shown or any(m["role"] == "tool" or m.get("tool_calls") for m in msgs): msgs = render_tool_messages(msgs, shown, ctx.tool_call_parser)
     return render_chat(ctx.tok, msgs, gen, cont, **kw)
 
+def _args_as_objects(m: dict) -> dict:
+    "An assistant's calls with their arguments as objects, as templates expect (Llama's writes them with `tojson`; vLLM does the same)."
+    if not m.get("tool_calls"): return m
+    def obj(a):
+        try: return json.loads(a) if isinstance(a, str) else a
+        except json.JSONDecodeError: return a
+    return {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": obj(c["function"].get("arguments") or "{}")}}
+                                if isinstance(c, dict) and isinstance(c.get("function"), dict) else c for c in m["tool_calls"]]}
+
 def tools_active(req) -> bool: return bool(getattr(req, "tools", None)) and req.tool_setup()[1] != "none"
+
+def tool_limit(req) -> int|None: return None if req.parallel_tool_calls else 1
 
 
 # %% ../nbs/10_api.ipynb
@@ -331,7 +350,7 @@ def role_chunk(req, head, i, first) -> dict:
 async def chat_stream(ctx, req, head: dict, first, gen):
     "SSE events of one streamed chat completion."
     so, cursors, out = req.stream_options or StreamOptions(), {}, first
-    parsers = {i: ToolCallStreamParser() for i in range(req.n)} if tools_active(req) else None
+    parsers = {i: tool_stream_parser(ctx.tool_call_parser, tool_limit(req)) for i in range(req.n)} if tools_active(req) else None
     try:
         for i in range(req.n): yield sse(role_chunk(req, head, i, first))
         async for out in _chain(first, gen):
@@ -449,7 +468,9 @@ router = APIRouter()
 
 def _params(ctx, req):
     check_supported(req); ctx.check_model(req.model)
-    params = to_sampling_params(req, ctx.tok, ctx.vocab_size, ctx.generation_defaults)
+    params = to_sampling_params(req, ctx.tok, ctx.vocab_size, ctx.generation_defaults, ctx.tool_call_parser)
+    if tools_active(req) and ctx.marker_is_special:   # Mistral's [TOOL_CALLS] is a special token: keep it in the text (as vLLM does)
+        params = dataclasses.replace(params, skip_special_tokens=False)
     return dataclasses.replace(params, prompt_logprobs=needs_prompt_logprobs(req))
 
 @router.post("/v1/chat/completions")
@@ -473,7 +494,7 @@ def chat_response(ctx, req, head, out) -> ChatCompletionResponse:
     for c in out.outputs:
         msg, reason = ChatChoiceMessage(content=c.text), finish_reason(c)
         cut = c.finish_reason == "length"
-        if tools_active(req) and ((parsed := parse_tool_calls(c.text, cut)).tool_calls or cut):
+        if tools_active(req) and ((parsed := parse_tool_output(ctx.tool_call_parser, c.text, cut, tool_limit(req))).tool_calls or cut):
             msg = ChatChoiceMessage(content=parsed.content, tool_calls=[t.to_openai() for t in parsed.tool_calls] or None)
             reason = _tool_finish(c, True)
         ch = ChatChoice(index=c.index, message=msg, finish_reason=reason,
@@ -585,7 +606,7 @@ async def debug_trace(request: Request, request_id: str|None = None):
     return body
 
 # %% ../nbs/10_api.ipynb
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
 
 def load_chat_template(t: str|None) -> str|None:
     "A chat template from a file (or given inline, as Jinja text); None keeps the model's own."
@@ -596,9 +617,10 @@ def load_chat_template(t: str|None) -> str|None:
     if not p.is_file(): raise FileNotFoundError(f"chat template file {t!r} not found")
     return p.read_text()
 
-def check_tool_call_parser(name: str) -> str:
+def check_tool_call_parser(name: str, template: str = "") -> str:
+    "The tool-call format to serve: `name`, or for `auto` the one the chat template was written for (chapter 6b)."
     if name not in TOOL_CALL_PARSERS: raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {name!r}")
-    return name
+    return choose_tool_format(template) if name == "auto" else name
 
 # %% ../nbs/10_api.ipynb
 from .config import generation_defaults
@@ -609,12 +631,14 @@ def model_generation_defaults(engine) -> dict:
 
 # %% ../nbs/10_api.ipynb
 def build_app(aeng: AsyncLLMEngine, served_model_name=None, api_key=None, max_body_bytes=4 * 2**20, allowed_origins=None,
-              chat_template=None, tool_call_parser="hermes", routers=(), hooks=()) -> FastAPI:
+              chat_template=None, tool_call_parser="auto", routers=(), hooks=()) -> FastAPI:
     "The OpenAI-compatible FastAPI app over a running `AsyncLLMEngine`; `chat_template` is a template file or text."
     name = served_model_name or clean_model_name(aeng.engine.model_name)
     app = FastAPI(title="llm_engine", version="0.1.0", lifespan=_lifespan)
-    app.state.ctx = ServerContext(aeng, name, model_aliases(aeng.engine.model_name) | {name}, load_chat_template(chat_template),
-                                  check_tool_call_parser(tool_call_parser), generation_defaults=model_generation_defaults(aeng.engine))
+    template = load_chat_template(chat_template)
+    fmt = check_tool_call_parser(tool_call_parser, template or str(aeng.engine.tokenizer.chat_template or ""))
+    app.state.ctx = ServerContext(aeng, name, model_aliases(aeng.engine.model_name) | {name}, template, fmt,
+                                  generation_defaults=model_generation_defaults(aeng.engine))
     for r in (router, *routers): app.include_router(r)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -234,13 +234,13 @@ _SOURCES = {"response_format": _response_format, "structured_outputs": _vllm_str
             "guided_json": lambda v: {"json": v}, "guided_regex": lambda v: {"regex": v}, "guided_choice": lambda v: {"choice": v},
             "guided_grammar": lambda v: {"grammar": v}, "json_schema": lambda v: {"json": v}, "grammar": lambda v: {"grammar": v}}
 
-def structured_outputs_of(req: SamplingRequest) -> StructuredOutputsParams|None:
-    "The one output constraint a request asks for, or None; 400 naming the field for two of them or a bad spec."
+def structured_outputs_of(req: SamplingRequest, tool_format: str = "hermes") -> StructuredOutputsParams|None:
+    "The one output constraint a request asks for (a forced tool call in `tool_format`), or None; 400 naming the field for two of them or a bad spec."
     specs = {k: s for k, f in _SOURCES.items() if getattr(req, k, None) is not None and (s := f(getattr(req, k))) is not None}
     forced = None
     if isinstance(req, ChatCompletionRequest) and req.tools:
         tools, _ = req.tool_setup()
-        forced = tool_choice_structured_outputs(tools, req.tool_choice, req.parallel_tool_calls)
+        forced = tool_choice_structured_outputs(tools, req.tool_choice, req.parallel_tool_calls, tool_format)
         if forced is not None: specs["tool_choice"] = None
     if len(specs) > 1:
         raise bad_request(list(specs)[1], f"give one way to constrain the output; this request gives {', '.join(specs)}", code="conflicting_parameters")
@@ -251,12 +251,12 @@ def structured_outputs_of(req: SamplingRequest) -> StructuredOutputsParams|None:
     except Exception as e: raise bad_request(k, f"{k}: {e}") from None   # whatever the grammar library makes of a bad spec is the client's 400
 
 # %% ../nbs/09a_protocol.ipynb
-def _stops(req) -> list[str]|str|None:
-    "The request's stop strings; one tool call and no grammar (auto, `parallel_tool_calls: false`) also stops at its end tag."
-    if not (isinstance(req, ChatCompletionRequest) and req.tools and not req.parallel_tool_calls and req.tool_setup()[1] == "auto"): return req.stop
+def _stops(req, tool_format="hermes") -> list[str]|str|None:
+    "The request's stop strings; one Hermes call and no grammar (auto, `parallel_tool_calls: false`) also stops at its end tag (other formats keep the first call when parsed)."
+    if not (tool_format == "hermes" and isinstance(req, ChatCompletionRequest) and req.tools and not req.parallel_tool_calls and req.tool_setup()[1] == "auto"): return req.stop
     return ([req.stop] if isinstance(req.stop, str) else list(req.stop or [])) + [TOOL_CALL_END]
 
-def to_sampling_params(req: SamplingRequest, tok, vocab_size: int, defaults: dict|None = None) -> SamplingParams:
+def to_sampling_params(req: SamplingRequest, tok, vocab_size: int, defaults: dict|None = None, tool_format: str = "hermes") -> SamplingParams:
     "Translate a request body into `SamplingParams`; a field the request leaves out takes the model's `defaults`; `max_tokens` stays None."
     V, d = vocab_size, {k: v for k, v in (defaults or {}).items() if k in GENERATION_DEFAULTS and k not in req.model_fields_set}
     mt = getattr(req, "max_completion_tokens", None) or req.max_tokens
@@ -265,12 +265,12 @@ def to_sampling_params(req: SamplingRequest, tok, vocab_size: int, defaults: dic
         return SamplingParams(
             n=req.n, max_tokens=mt, temperature=g("temperature"), top_p=g("top_p"), top_k=g("top_k"), min_p=g("min_p"),
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, repetition_penalty=g("repetition_penalty"),
-            seed=req.seed, stop=_stops(req), stop_token_ids=_token_ids("stop_token_ids", req.stop_token_ids, V), ignore_eos=req.ignore_eos,
+            seed=req.seed, stop=_stops(req, tool_format), stop_token_ids=_token_ids("stop_token_ids", req.stop_token_ids, V), ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens, logprobs=req.num_logprobs(), prompt_logprobs=req.prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=_logit_bias(req.logit_bias, V), bad_words=req.bad_words, bad_words_token_ids=_bad_words(req.bad_words, tok),
             allowed_token_ids=_token_ids("allowed_token_ids", req.allowed_token_ids, V) if req.allowed_token_ids is not None else None,
-            structured_outputs=structured_outputs_of(req))
+            structured_outputs=structured_outputs_of(req, tool_format))
     except BadParam as e: raise bad_request(e.param, str(e)) from None
 
 

@@ -12,9 +12,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from .protocol import APIError, bad_request, ChatCompletionRequest, check_supported as _check_chat
 from .api import (_ctx, _params, chat_prompt_ids, prepare, start_all, until_done, ClientGone, EventStream, Cursor,
-                            _chain, usage, output_error, tools_active)
+                            _chain, usage, output_error, tools_active, tool_limit)
 from fastcore.basics import patch
-from .tool_parsers import parse_tool_calls, ToolCallStreamParser, ToolCall, StreamDelta
+from .tool_parsers import parse_tool_output, tool_stream_parser, ToolCall, StreamDelta
 
 # %% auto 0
 __all__ = ['OFF', 'router', 'ResponsesRequest', 'check_request', 'input_messages', 'chat_tools', 'chat_tool_choice',
@@ -154,10 +154,10 @@ def message_item(text: str, mid=None, status="completed") -> dict:
 def call_item(call, fid=None, status="completed") -> dict:
     return {"type": "function_call", "id": fid or _id("fc"), "call_id": call.id, "name": call.name, "arguments": call.arguments, "status": status}
 
-def output_items(req: ChatCompletionRequest, c) -> list[dict]:
-    "The output items of finished choice `c`."
+def output_items(req: ChatCompletionRequest, c, fmt: str = "hermes") -> list[dict]:
+    "The output items of finished choice `c`; calls in tool-call format `fmt` (chapter 6b)."
     if not tools_active(req): return [message_item(c.text)] if c.text else []
-    p = parse_tool_calls(c.text, c.finish_reason == "length")
+    p = parse_tool_output(fmt, c.text, c.finish_reason == "length", tool_limit(req))
     text = p.content if p.tool_calls or c.finish_reason == "length" else c.text
     return ([message_item(text)] if text else []) + [call_item(t) for t in p.tool_calls]
 
@@ -237,7 +237,7 @@ def call(self: EventWriter, d) -> list[str]:
 async def response_stream(ctx, req: ResponsesRequest, chat, rid, created, convo, store, first, gen):
     "The typed events of one streamed response; stored, if asked, when complete."
     w, cur, out = EventWriter(), Cursor(), first
-    parser = ToolCallStreamParser() if tools_active(chat) else None
+    parser = tool_stream_parser(ctx.tool_call_parser, tool_limit(chat)) if tools_active(chat) else None
     try:
         head = response_body(ctx, req, rid, created, [], "in_progress")
         yield w.ev("response.created", response=head); yield w.ev("response.in_progress", response=head)
@@ -276,7 +276,7 @@ async def create_response(req: ResponsesRequest, request: Request):
     try: out, = await until_done(request, [(first, gen)])
     except ClientGone: return Response(status_code=499)
     c = out.outputs[0]
-    items = output_items(chat, c)
+    items = output_items(chat, c, ctx.tool_call_parser)
     body = response_body(ctx, req, rid, created, items, finish=c.finish_reason, out=out)
     if req.store: store.put(rid, body, convo + [assistant_message(items)])
     return body
