@@ -245,7 +245,7 @@ def load_weights(model: Llama, path, when_full=None):
                 if name not in params:
                     if name == "lm_head.weight" and model.config.tie_word_embeddings: continue
                     raise ValueError(f"Unexpected tensor {key!r} in {f}: not a weight of a {model.config.model_type} model")
-                if params[name].is_meta: _materialize(model, params, name)
+                if params[name].is_meta: _materialize(model, params, name, _ST_DTYPES.get(e["dtype"]))
                 dst, shape = params[name].data[rows], tuple(e.get("shape", ()))
                 if dst.shape != shape: raise ValueError(f"Tensor {key!r} in {f} has shape {shape}, expected {tuple(dst.shape)}")
                 if (name == "embed_tokens.weight" and not model.config.tie_word_embeddings and dst.device.type == "cpu"
@@ -273,11 +273,13 @@ def _module_read(params: dict, name: str, unread: Counter, when_full):
     if when_full(mod):     # it replaced the module: the parameters read are garbage now, not held here to the end
         for n in [n for n in params if n.rpartition(".")[0] == mod]: params[n] = torch.empty(params[n].shape, device="meta")
 
-def _materialize(model: Llama, params: dict, name: str):
-    "A module left on the meta device (to be quantized as read) gets CPU memory when its first tensor arrives."
-    mod = name.rpartition(".")[0]
-    model.get_submodule(mod).to_empty(device="cpu", recurse=False)
-    params.update(model.get_submodule(mod).named_parameters(prefix=mod, recurse=False))
+def _materialize(model: Llama, params: dict, name: str, dtype):
+    "A parameter left on the meta device (to be quantized as read) gets CPU memory in the file's dtype when its tensor arrives."
+    # the file's dtype, not fp32: the quantizers widen a chunk of rows at a time, and a 1.1B model's bf16 output head
+    # would otherwise be a 400 MB fp32 copy (plus the 200 MB it is read through)
+    mod, _, leaf = name.rpartition(".")
+    p = nn.Parameter(torch.empty(params[name].shape, dtype=dtype if dtype is not None and dtype.is_floating_point else torch.float32))
+    setattr(model.get_submodule(mod), leaf, p); params[name] = p
 
 # %% ../nbs/05_model.ipynb
 MANIFEST = "llm_engine_manifest.json"
@@ -480,6 +482,7 @@ def load_model(model=None, dtype=torch.float32, device="cpu", quantization=None)
     # an untied table is not quantized: in `dtype` from the start, it is mapped from the file as an unquantized model's is
     m = empty_model(mc, None if quantization else dtype, device, as_read, dtype if as_read and not mc.tie_word_embeddings else None)
     m = load_weights(m, path, _quantize_as_read(m, quantization) if as_read else None)
+    if as_read: release_freed_memory()     # the fp32 rows quantized away were freed into the heap, not to the OS
     if quantization is not None:     # from the fp32 weights, before the cast (notebook 05b): what was not done as read
         from llm_engine.precision import quantize_linears
         quantize_linears(m, quantization, path)

@@ -110,10 +110,12 @@ class Bf16Linear(WeightOnlyLinear):
 # %% ../nbs/05b_precision.ipynb
 Q4_GROUP, Q4_BYTES = 32, 20      # weights per block; bytes per block: d and m (fp16), then 16 bytes of two nibbles each
 
-def quantize_q4(w: torch.Tensor) -> torch.Tensor:
+def quantize_q4(w: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     "`w` [N, K] as Q4_1 blocks, uint8 [N, K/32 * 20]; per row all (d, m) pairs, then the blocks' bytes interleaved two by two."
     N, K = w.shape
     if K % (2 * Q4_GROUP): raise ValueError(f"q4 needs an input width that is a multiple of {2 * Q4_GROUP}, not {K}")
+    if N > chunk:     # rows a chunk at a time: the temporaries of a 1.1B model's gate_up were 0.4 GB at once
+        return torch.cat([quantize_q4(w[r:r + chunk], chunk) for r in range(0, N, chunk)])
     g = w.detach().float().reshape(N, K // Q4_GROUP, Q4_GROUP)
     lo = g.amin(-1)
     d, m = ((g.amax(-1) - lo) / 15).half(), lo.half()
