@@ -15,20 +15,22 @@ from fastcore.basics import patch
 from .engine import AsyncLLMEngine, QueueFull, RequestOutput
 from .metrics import engine_stats, prometheus_text
 from .protocol import *
-from .tool_parsers import render_tool_messages, tool_stream_parser, parse_tool_output, choose_tool_format, TOOL_FORMATS
+from .tool_parsers import (render_tool_messages, tool_stream_parser, parse_tool_output, choose_tool_format, TOOL_FORMATS,
+                                     ReasoningStreamParser, split_reasoning, prompt_opens_think, choose_reasoning_parser)
 
 # %% auto 0
-__all__ = ['log', 'PROTECTED', 'LOGPROB_FLOOR', 'router', 'TOOL_CALL_PARSERS', 'SEND_BUFFER', 'ServerConfig', 'clean_model_name',
-           'model_aliases', 'ServerContext', 'Guard', 'error_json', 'render_chat', 'chat_messages', 'chat_prompt_ids',
-           'tools_active', 'tool_limit', 'check_token_ids', 'completion_prompt_ids', 'prepare', 'start', 'start_all',
-           'ClientGone', 'until_done', 'tok_str', 'json_logprob', 'chat_logprobs', 'completion_logprobs',
-           'join_logprobs', 'prompt_logprobs_json', 'usage', 'finish_reason', 'sse', 'sse_error', 'output_error',
-           'Cursor', 'chat_chunk', 'role_chunk', 'chat_stream', 'chat_chunks', 'merge', 'EventStream',
-           'completion_chunk', 'completion_stream', 'echo_text', 'echo_logprobs', 'needs_prompt_logprobs',
-           'chat_completions', 'chat_response', 'completions', 'completion_choice', 'token_piece', 'tokenize',
-           'detokenize', 'health', 'models', 'stats', 'metrics', 'debug_trace', 'load_chat_template',
-           'check_tool_call_parser', 'model_generation_defaults', 'build_app', 'open_fds', 'FdBudget', 'FdGuard',
-           'guarded_protocol', 'GuardedSocket', 'raise_open_file_limit', 'listen_socket', 'serve']
+__all__ = ['log', 'PROTECTED', 'SERVER_TEMPLATE_VARS', 'LOGPROB_FLOOR', 'router', 'TOOL_CALL_PARSERS', 'SEND_BUFFER',
+           'ServerConfig', 'clean_model_name', 'model_aliases', 'ServerContext', 'Guard', 'error_json', 'render_chat',
+           'chat_messages', 'template_kwargs', 'chat_prompt_ids', 'tools_active', 'tool_limit', 'check_token_ids',
+           'completion_prompt_ids', 'prepare', 'start', 'start_all', 'ClientGone', 'until_done', 'tok_str',
+           'json_logprob', 'chat_logprobs', 'completion_logprobs', 'join_logprobs', 'prompt_logprobs_json', 'usage',
+           'finish_reason', 'sse', 'sse_error', 'output_error', 'Cursor', 'chat_chunk', 'role_chunk', 'chat_stream',
+           'ChoiceDeltas', 'choice_parsers', 'chat_chunks', 'merge', 'EventStream', 'completion_chunk',
+           'completion_stream', 'echo_text', 'echo_logprobs', 'needs_prompt_logprobs', 'chat_completions',
+           'chat_response', 'completions', 'completion_choice', 'token_piece', 'tokenize', 'detokenize', 'health',
+           'models', 'stats', 'metrics', 'debug_trace', 'load_chat_template', 'check_tool_call_parser',
+           'model_generation_defaults', 'build_app', 'open_fds', 'FdBudget', 'FdGuard', 'guarded_protocol',
+           'GuardedSocket', 'raise_open_file_limit', 'listen_socket', 'serve']
 
 # %% ../nbs/10_api.ipynb
 log = logging.getLogger("llm_engine.api")
@@ -49,6 +51,7 @@ class ServerConfig:
     fd_reserve: int = 64                   # open files kept out of the connection cap: accept(), /health, the engine's own files
     loop: str = "auto"                     # the event loop: auto (uvloop when installed), asyncio or uvloop
     chat_template: str|None = None         # a Jinja chat template file used instead of the model's
+    reasoning_parser: str = "auto"         # <think> ... </think> to reasoning_content (chapter 6b): auto (qwen3 when the template knows <think>), qwen3, none
     tool_call_parser: str = "auto"         # how tool calls are written and parsed (chapter 6b): auto (from the chat template), hermes, llama3_json, mistral
     log_level: str = "info"
     replicas: int = 1                      # engine replicas behind one endpoint on Ray Serve (chapter 11c; pip install ".[ray]")
@@ -73,6 +76,7 @@ class ServerContext:
     chat_template: str|None = None      # the template text, when the server was given one
     tool_call_parser: str = "hermes"    # the format (chapter 6b), `auto` already resolved
     generation_defaults: dict = dataclasses.field(default_factory=dict)   # the model's generation_config.json (protocol)
+    reasoning_parser: str = "none"       # qwen3: <think> ... </think> goes to reasoning_content (chapter 6b)
     @property
     def engine(self): return self.aeng.engine
     @property
@@ -175,12 +179,30 @@ def chat_messages(req) -> list[dict]:
 
 
 # %% ../nbs/10_api.ipynb
+SERVER_TEMPLATE_VARS = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize",
+                        "chat_template", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token"}
+
+def template_kwargs(ctx: ServerContext, req) -> dict:
+    "The request's extra template variables (`chat_template_kwargs`, top-level `enable_thinking`); 400 naming a key the template does not use."
+    kw = dict(req.chat_template_kwargs or {})
+    if req.enable_thinking is not None:
+        if kw.get("enable_thinking", req.enable_thinking) != req.enable_thinking:
+            raise bad_request("enable_thinking", "enable_thinking and chat_template_kwargs.enable_thinking disagree", code="conflicting_parameters")
+        kw["enable_thinking"] = req.enable_thinking
+    for k in kw:
+        where = "enable_thinking" if k == "enable_thinking" and req.enable_thinking is not None else f"chat_template_kwargs.{k}"
+        if k in SERVER_TEMPLATE_VARS: raise bad_request(where, f"{where}: `{k}` is set by the server, not by chat_template_kwargs")
+        if not re.search(rf"\b{re.escape(k)}\b", ctx.template_text):
+            raise bad_request(where, f"{where}: the chat template does not use a variable `{k}`", code="unsupported_parameter")
+    return kw
+
+# %% ../nbs/10_api.ipynb
 def chat_prompt_ids(ctx: ServerContext, req) -> list[int]:
     "The prompt of a chat request: its messages (and tools) through the chat template."
     tools, choice = req.tool_setup()
     shown, msgs, cont = tools if choice != "none" else [], chat_messages(req), req.continues()
     gen = req.add_generation_prompt and not cont
-    kw = {**(req.chat_template_kwargs or {}), **({"chat_template": ctx.chat_template} if ctx.chat_template else {})}
+    kw = {**template_kwargs(ctx, req), **({"chat_template": ctx.chat_template} if ctx.chat_template else {})}
     if ctx.template_has_tools: return render_chat(ctx.tok, [_args_as_objects(m) for m in msgs], gen, cont, **({"tools": shown} if shown else {}), **kw)
     if shown or any(m["role"] == "tool" or m.get("tool_calls") for m in msgs): msgs = render_tool_messages(msgs, shown, ctx.tool_call_parser)
     return render_chat(ctx.tok, msgs, gen, cont, **kw)
@@ -347,10 +369,10 @@ def role_chunk(req, head, i, first) -> dict:
     if (req.stream_options or StreamOptions()).continuous_usage_stats: body["usage"] = usage([first], partial=True).model_dump()
     return body
 
-async def chat_stream(ctx, req, head: dict, first, gen):
-    "SSE events of one streamed chat completion."
+async def chat_stream(ctx, req, head: dict, first, gen, opened=False):
+    "SSE events of one streamed chat completion; `opened`: the prompt left a `<think>` block open."
     so, cursors, out = req.stream_options or StreamOptions(), {}, first
-    parsers = {i: tool_stream_parser(ctx.tool_call_parser, tool_limit(req)) for i in range(req.n)} if tools_active(req) else None
+    parsers = choice_parsers(ctx, req, opened)
     try:
         for i in range(req.n): yield sse(role_chunk(req, head, i, first))
         async for out in _chain(first, gen):
@@ -369,14 +391,38 @@ async def _chain(first, gen):
 
 
 # %% ../nbs/10_api.ipynb
+class ChoiceDeltas:
+    "One choice's text as delta dicts: reasoning first (when the server parses it), then content or tool calls (when the request has tools)."
+    def __init__(self, reasoning: ReasoningStreamParser|None = None, tools=None): self.reasoning, self.tools = reasoning, tools
+    @property
+    def tool_calls(self) -> list: return self.tools.tool_calls if self.tools is not None else []
+
+    def feed(self, new: str, done: bool = False, cut: bool = False) -> list[dict]:
+        pieces = [("content", new)] if self.reasoning is None else self.reasoning.feed(new) + (self.reasoning.finish() if done else [])
+        out = []
+        for kind, t in pieces:
+            if kind == "reasoning": out.append({"reasoning_content": t})
+            elif self.tools is None: out.append({"content": t}) if t else None
+            else: out += [d.to_openai() for d in self.tools.feed(t)]
+        if done and self.tools is not None: out += [d.to_openai() for d in self.tools.finish(cut)]
+        return out
+
+def choice_parsers(ctx, req, opened=False) -> dict|None:
+    "Per choice a `ChoiceDeltas`, or None when the text goes out as it comes (no tools, no reasoning parser)."
+    rs, tl = ctx.reasoning_parser != "none", tools_active(req)
+    if not (rs or tl): return None
+    return {i: ChoiceDeltas(ReasoningStreamParser(opened) if rs else None, tool_stream_parser(ctx.tool_call_parser, tool_limit(req)) if tl else None)
+            for i in range(req.n)}
+
+# %% ../nbs/10_api.ipynb
 def _tool_finish(c, called: bool) -> str: return "tool_calls" if called and c.finish_reason == "stop" else finish_reason(c)
 
 def chat_chunks(ctx, req, c, step, usage_now=None, parsers=None) -> list[ChatCompletionResponse]:
-    "The chunks for one step of choice `c`: one, or with tools, one per content or tool-call delta."
+    "The chunks for one step of choice `c`: one, or with tools or reasoning, one per reasoning, content or tool-call delta."
     if parsers is None: return [chat_chunk(ctx, req, c, step, usage_now)]
     new, ids, lps, done = step
     p = parsers[c.index]
-    deltas = [d.to_openai() for d in p.feed(new) + (p.finish(c.finish_reason == "length") if done else [])]
+    deltas = p.feed(new, done, c.finish_reason == "length")
     if done or not deltas: deltas.append({})          # the finish reason, or logprobs with nothing to show yet
     chunks = [chat_chunk(ctx, req, c, (None, ids if k == 0 else [], lps if k == 0 else None, False), usage_now) for k in range(len(deltas))]
     for ch, d in zip(chunks, deltas): ch.choices[0].delta = d
@@ -481,21 +527,25 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     except APIError: raise
     except Exception as e: raise bad_request("messages", f"Could not render the messages with the chat template: {e}") from None
     ids, params = prepare(ctx, req, ids, params, "messages")
+    opened = ctx.reasoning_parser != "none" and prompt_opens_think(ctx.tok.decode(ids[-8:]))
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()), "model": ctx.name}
     started = await start_all(ctx, req, [(ids, params)], params, "messages", head["id"])
-    if req.stream: return EventStream(chat_stream(ctx, req, head, *started[0]))
+    if req.stream: return EventStream(chat_stream(ctx, req, head, *started[0], opened))
     try: out, = await until_done(request, started)
     except ClientGone: return Response(status_code=499)
-    return chat_response(ctx, req, head, out).model_dump()
+    return chat_response(ctx, req, head, out, opened).model_dump()
 
 # %% ../nbs/10_api.ipynb
-def chat_response(ctx, req, head, out) -> ChatCompletionResponse:
+def chat_response(ctx, req, head, out, opened=False) -> ChatCompletionResponse:
     choices = []
     for c in out.outputs:
-        msg, reason = ChatChoiceMessage(content=c.text), finish_reason(c)
+        text, extra = c.text, {}
+        if ctx.reasoning_parser != "none":
+            reasoning, text = split_reasoning(c.text, opened); extra = {"reasoning_content": reasoning}
+        msg, reason = ChatChoiceMessage(content=text, **extra), finish_reason(c)
         cut = c.finish_reason == "length"
-        if tools_active(req) and ((parsed := parse_tool_output(ctx.tool_call_parser, c.text, cut, tool_limit(req))).tool_calls or cut):
-            msg = ChatChoiceMessage(content=parsed.content, tool_calls=[t.to_openai() for t in parsed.tool_calls] or None)
+        if tools_active(req) and ((parsed := parse_tool_output(ctx.tool_call_parser, text or "", cut, tool_limit(req))).tool_calls or cut):
+            msg = ChatChoiceMessage(content=parsed.content, tool_calls=[t.to_openai() for t in parsed.tool_calls] or None, **extra)
             reason = _tool_finish(c, True)
         ch = ChatChoice(index=c.index, message=msg, finish_reason=reason,
                         logprobs=chat_logprobs(ctx.tok, c.token_ids, c.logprobs, req.top_logprobs, req.return_tokens_as_token_ids)
@@ -631,14 +681,15 @@ def model_generation_defaults(engine) -> dict:
 
 # %% ../nbs/10_api.ipynb
 def build_app(aeng: AsyncLLMEngine, served_model_name=None, api_key=None, max_body_bytes=4 * 2**20, allowed_origins=None,
-              chat_template=None, tool_call_parser="auto", routers=(), hooks=()) -> FastAPI:
+              chat_template=None, tool_call_parser="auto", routers=(), hooks=(), reasoning_parser="auto") -> FastAPI:
     "The OpenAI-compatible FastAPI app over a running `AsyncLLMEngine`; `chat_template` is a template file or text."
     name = served_model_name or clean_model_name(aeng.engine.model_name)
     app = FastAPI(title="llm_engine", version="0.1.0", lifespan=_lifespan)
     template = load_chat_template(chat_template)
     fmt = check_tool_call_parser(tool_call_parser, template or str(aeng.engine.tokenizer.chat_template or ""))
     app.state.ctx = ServerContext(aeng, name, model_aliases(aeng.engine.model_name) | {name}, template, fmt,
-                                  generation_defaults=model_generation_defaults(aeng.engine))
+                                  generation_defaults=model_generation_defaults(aeng.engine),
+                                  reasoning_parser=choose_reasoning_parser(reasoning_parser, template or str(aeng.engine.tokenizer.chat_template or "")))
     for r in (router, *routers): app.include_router(r)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -814,7 +865,7 @@ def serve(server: ServerConfig|None = None, engine=None, routers=(), hooks=(), *
     # built on its own loop thread (one OpenMP team: notebook 08); tensor-parallel ranks start from the main thread
     aeng = AsyncLLMEngine(cfg if cfg.tensor_parallel_size == 1 else LLMEngine(cfg)).start()
     app = build_app(aeng, s.served_model_name, s.api_key, s.max_body_bytes, s.allowed_origins, s.chat_template, s.tool_call_parser,
-                    routers, hooks)
+                    routers, hooks, s.reasoning_parser)
     # what is built by now (model, tokenizer, app: some 390k objects) lives as long as the server, so it leaves the
     # cyclic collector's view: a full collection over it took 220 ms here, a stall of every stream in flight (vLLM
     # freezes its engine's objects the same way); unfrozen at exit, so extension modules see their objects freed

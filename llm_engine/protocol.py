@@ -135,7 +135,8 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int|None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     continue_final_message: bool|None = None
-    chat_template_kwargs: dict|None = None
+    chat_template_kwargs: dict|None = None   # extra variables for the chat template, each one it uses (checked by the server)
+    enable_thinking: bool|None = None        # Qwen3's switch, also accepted inside chat_template_kwargs (as vLLM takes it)
     tools: list|None = None
     tool_choice: str|dict|None = None
     parallel_tool_calls: bool = True

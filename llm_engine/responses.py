@@ -14,13 +14,13 @@ from .protocol import APIError, bad_request, ChatCompletionRequest, check_suppor
 from .api import (_ctx, _params, chat_prompt_ids, prepare, start_all, until_done, ClientGone, EventStream, Cursor,
                             _chain, usage, output_error, tools_active, tool_limit)
 from fastcore.basics import patch
-from .tool_parsers import parse_tool_output, tool_stream_parser, ToolCall, StreamDelta
+from .tool_parsers import parse_tool_output, tool_stream_parser, ToolCall, StreamDelta, ReasoningStreamParser, split_reasoning, prompt_opens_think
 
 # %% auto 0
 __all__ = ['OFF', 'router', 'ResponsesRequest', 'check_request', 'input_messages', 'chat_tools', 'chat_tool_choice',
            'chat_response_format', 'ResponseStore', 'store_of', 'chat_request', 'message_item', 'call_item',
-           'output_items', 'usage_json', 'response_body', 'assistant_message', 'EventWriter', 'response_stream',
-           'create_response', 'get_response', 'delete_response']
+           'reasoning_item', 'output_items', 'usage_json', 'response_body', 'assistant_message', 'EventWriter',
+           'response_stream', 'create_response', 'get_response', 'delete_response']
 
 # %% ../nbs/10a_responses.ipynb
 class ResponsesRequest(BaseModel):
@@ -154,12 +154,17 @@ def message_item(text: str, mid=None, status="completed") -> dict:
 def call_item(call, fid=None, status="completed") -> dict:
     return {"type": "function_call", "id": fid or _id("fc"), "call_id": call.id, "name": call.name, "arguments": call.arguments, "status": status}
 
-def output_items(req: ChatCompletionRequest, c, fmt: str = "hermes") -> list[dict]:
-    "The output items of finished choice `c`; calls in tool-call format `fmt` (chapter 6b)."
-    if not tools_active(req): return [message_item(c.text)] if c.text else []
-    p = parse_tool_output(fmt, c.text, c.finish_reason == "length", tool_limit(req))
-    text = p.content if p.tool_calls or c.finish_reason == "length" else c.text
-    return ([message_item(text)] if text else []) + [call_item(t) for t in p.tool_calls]
+def reasoning_item(text: str, rid=None, status="completed") -> dict:
+    return {"type": "reasoning", "id": rid or _id("rs"), "status": status, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+def output_items(req: ChatCompletionRequest, c, fmt: str = "hermes", reasoning: str = "none", opened: bool = False) -> list[dict]:
+    "The output items of finished choice `c`: its thinking (when `reasoning` parses it), then text and calls in tool-call format `fmt` (chapter 6b)."
+    thought, text = split_reasoning(c.text, opened) if reasoning != "none" else (None, c.text)
+    head = [reasoning_item(thought)] if thought else []
+    if not tools_active(req): return head + ([message_item(text)] if text else [])
+    p = parse_tool_output(fmt, text or "", c.finish_reason == "length", tool_limit(req))
+    text = p.content if p.tool_calls or c.finish_reason == "length" else text
+    return head + ([message_item(text)] if text else []) + [call_item(t) for t in p.tool_calls]
 
 def usage_json(out) -> dict:
     u = usage([out])
@@ -201,6 +206,9 @@ class EventWriter:
             return [self.ev("response.output_text.done", item_id=it["id"], output_index=k, content_index=0, text=part["text"], logprobs=[]),
                     self.ev("response.content_part.done", item_id=it["id"], output_index=k, content_index=0, part=part),
                     self.ev("response.output_item.done", output_index=k, item=it)]
+        if it["type"] == "reasoning":
+            return [self.ev("response.reasoning_text.done", item_id=it["id"], output_index=k, content_index=0, text=it["content"][0]["text"]),
+                    self.ev("response.output_item.done", output_index=k, item=it)]
         return [self.ev("response.function_call_arguments.done", item_id=it["id"], output_index=k, name=it["name"], arguments=it["arguments"]),
                 self.ev("response.output_item.done", output_index=k, item=it)]
 
@@ -220,6 +228,20 @@ def text(self: EventWriter, delta: str, final=False) -> list[str]:
     return out + [self.ev("response.output_text.delta", item_id=self.open["id"], output_index=len(self.items), content_index=0, delta=d, logprobs=[])]
 
 @patch
+def reason(self: EventWriter, delta: str) -> list[str]:
+    "Events for new thinking: the first opens a `reasoning` item, each piece is a `response.reasoning_text.delta`."
+    out = []
+    if self.open is None or self.open["type"] != "reasoning":
+        out += self.close(); self.open = it = reasoning_item("", status="in_progress")
+        out.append(self.ev("response.output_item.added", output_index=len(self.items), item={**it, "content": []}))
+    self.open["content"][0]["text"] += delta
+    return out + [self.ev("response.reasoning_text.delta", item_id=self.open["id"], output_index=len(self.items), content_index=0, delta=delta)]
+
+@patch
+def delta(self: EventWriter, d: StreamDelta) -> list[str]:
+    return self.text(d.content) if d.content is not None else [e for t in d.tool_calls for e in self.call(t)]
+
+@patch
 def call(self: EventWriter, d) -> list[str]:
     "Events for one tool-call delta (chapter 6b's `ToolCallDelta`): its head opens an item, its arguments grow it."
     out = []
@@ -234,10 +256,11 @@ def call(self: EventWriter, d) -> list[str]:
     return out
 
 # %% ../nbs/10a_responses.ipynb
-async def response_stream(ctx, req: ResponsesRequest, chat, rid, created, convo, store, first, gen):
-    "The typed events of one streamed response; stored, if asked, when complete."
+async def response_stream(ctx, req: ResponsesRequest, chat, rid, created, convo, store, first, gen, opened=False):
+    "The typed events of one streamed response; stored, if asked, when complete; `opened`: the prompt left `<think>` open."
     w, cur, out = EventWriter(), Cursor(), first
     parser = tool_stream_parser(ctx.tool_call_parser, tool_limit(chat)) if tools_active(chat) else None
+    rp = ReasoningStreamParser(opened) if ctx.reasoning_parser != "none" else None
     try:
         head = response_body(ctx, req, rid, created, [], "in_progress")
         yield w.ev("response.created", response=head); yield w.ev("response.in_progress", response=head)
@@ -247,9 +270,11 @@ async def response_stream(ctx, req: ResponsesRequest, chat, rid, created, convo,
             c = out.outputs[0]
             if not (step := cur.advance(c)): continue
             new, done = step[0], step[3]
-            deltas = (parser.feed(new) + (parser.finish(c.finish_reason == "length") if done else [])) if parser else [StreamDelta(content=new)]
-            for d in deltas:
-                for ev in (w.text(d.content) if d.content is not None else [e for t in d.tool_calls for e in w.call(t)]): yield ev
+            for kind, t in ([("content", new)] if rp is None else rp.feed(new) + (rp.finish() if done else [])):
+                for ev in w.reason(t) if kind == "reasoning" else [e for d in (parser.feed(t) if parser else [StreamDelta(content=t)]) for e in w.delta(d)]:
+                    yield ev
+            for d in parser.finish(c.finish_reason == "length") if parser and done else []:
+                for ev in w.delta(d): yield ev
         for ev in w.text("", final=True) + w.close(): yield ev
         body = response_body(ctx, req, rid, created, w.items, finish=out.outputs[0].finish_reason, out=out)
         if req.store: store.put(rid, body, convo + [assistant_message(w.items)])
@@ -270,13 +295,14 @@ async def create_response(req: ResponsesRequest, request: Request):
     except APIError: raise
     except Exception as e: raise bad_request("input", f"Could not render the input with the chat template: {e}") from None
     ids, params = prepare(ctx, chat, ids, params, "input")
+    opened = ctx.reasoning_parser != "none" and prompt_opens_think(ctx.tok.decode(ids[-8:]))
     rid, created = _id("resp"), int(time.time())
     (first, gen), = await start_all(ctx, chat, [(ids, params)], params, "input", rid)
-    if req.stream: return EventStream(response_stream(ctx, req, chat, rid, created, convo, store, first, gen))
+    if req.stream: return EventStream(response_stream(ctx, req, chat, rid, created, convo, store, first, gen, opened))
     try: out, = await until_done(request, [(first, gen)])
     except ClientGone: return Response(status_code=499)
     c = out.outputs[0]
-    items = output_items(chat, c, ctx.tool_call_parser)
+    items = output_items(chat, c, ctx.tool_call_parser, ctx.reasoning_parser, opened)
     body = response_body(ctx, req, rid, created, items, finish=c.finish_reason, out=out)
     if req.store: store.put(rid, body, convo + [assistant_message(items)])
     return body

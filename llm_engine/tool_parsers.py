@@ -12,10 +12,11 @@ from .structured import StructuredOutputsParams
 
 # %% auto 0
 __all__ = ['TOOLS_PROMPT', 'TOOL_CALL_START', 'TOOL_CALL_END', 'LLAMA3_JSON', 'MISTRAL', 'FORMAT_PROMPTS', 'TOOL_FORMATS',
-           'validate_tools', 'render_tools_prompt', 'render_tool_call', 'render_tool_messages', 'ToolCall',
-           'ParsedToolOutput', 'parse_tool_call', 'parse_tool_calls', 'ToolCallDelta', 'StreamDelta',
-           'ToolCallStreamParser', 'tool_choice_structured_outputs', 'ToolFormat', 'JsonCallsStreamParser',
-           'parse_format', 'choose_tool_format', 'tool_stream_parser', 'parse_tool_output']
+           'THINK_START', 'THINK_END', 'REASONING_PARSERS', 'validate_tools', 'render_tools_prompt', 'render_tool_call',
+           'render_tool_messages', 'ToolCall', 'ParsedToolOutput', 'parse_tool_call', 'parse_tool_calls',
+           'ToolCallDelta', 'StreamDelta', 'ToolCallStreamParser', 'tool_choice_structured_outputs', 'ToolFormat',
+           'JsonCallsStreamParser', 'parse_format', 'choose_tool_format', 'tool_stream_parser', 'parse_tool_output',
+           'ReasoningStreamParser', 'split_reasoning', 'prompt_opens_think', 'choose_reasoning_parser']
 
 # %% ../nbs/06b_tool_calls.ipynb
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -455,3 +456,73 @@ def tool_stream_parser(fmt: str = "hermes", limit: int|None = None):
 
 def parse_tool_output(fmt: str, text: str, cut: bool = False, limit: int|None = None) -> ParsedToolOutput:
     return parse_tool_calls(text, cut) if fmt == "hermes" else parse_format(TOOL_FORMATS[fmt], text, cut, limit)
+
+# %% ../nbs/06b_tool_calls.ipynb
+THINK_START, THINK_END = "<think>", "</think>"
+
+class ReasoningStreamParser:
+    "Splits a stream of text into ('reasoning', text) and ('content', text) pieces (vLLM's qwen3 reasoning parser)."
+    def __init__(self, opened: bool = False):
+        self.text, self.pos, self.mode = "", 0, "reasoning" if opened else "start"
+
+    def feed(self, piece: str) -> list[tuple[str, str]]:
+        self.text += piece
+        out = []
+        while getattr(self, "_" + self.mode)(out): pass
+        return [(k, t) for k, t in out if t]
+
+    def _start(self, out) -> bool:
+        s = self.text[self.pos:].lstrip()
+        if not s or (THINK_START.startswith(s) and s != THINK_START): return False
+        if s.startswith(THINK_START): self.pos, self.mode = len(self.text) - len(s) + len(THINK_START), "reasoning"
+        else: self.mode = "content"
+        return True
+
+    def _content(self, out) -> bool:
+        out.append(("content", self.text[self.pos:])); self.pos = len(self.text)
+        return False
+
+# %% ../nbs/06b_tool_calls.ipynb
+@patch
+def _reasoning(self: ReasoningStreamParser, out) -> bool:
+    i = self.text.find(THINK_END, self.pos)
+    end = i if i >= 0 else len(self.text) - _held(self.text[self.pos:], (THINK_END,))
+    out.append(("reasoning", self.text[self.pos:end])); self.pos = end
+    if i < 0: return False
+    self.pos, self.mode = i + len(THINK_END), "after"
+    return True
+
+@patch
+def _after(self: ReasoningStreamParser, out) -> bool:
+    "Just after `</think>`: the whitespace that separates thinking from the answer is dropped."
+    s = self.text[self.pos:].lstrip()
+    if not s: return False
+    self.pos, self.mode = len(self.text) - len(s), "content"
+    return True
+
+@patch
+def finish(self: ReasoningStreamParser) -> list[tuple[str, str]]:
+    "What was held back, once the output has ended."
+    rest, self.pos = self.text[self.pos:], len(self.text)
+    kind = {"start": "content", "reasoning": "reasoning", "content": "content"}.get(self.mode)
+    return [(kind, rest)] if rest and kind else []
+
+def split_reasoning(text: str, opened: bool = False) -> tuple[str|None, str|None]:
+    "(reasoning, content) of a finished output; None for a part that is empty."
+    p = ReasoningStreamParser(opened)
+    pieces = p.feed(text) + p.finish()
+    join = lambda k: "".join(t for kk, t in pieces if kk == k) or None
+    return join("reasoning"), join("content")
+
+# %% ../nbs/06b_tool_calls.ipynb
+REASONING_PARSERS = ("auto", "qwen3", "none")
+
+def prompt_opens_think(prompt_tail: str) -> bool:
+    "Whether a prompt ending with `prompt_tail` left a `<think>` block open for the answer."
+    t = prompt_tail.rstrip()
+    return t.endswith(THINK_START)
+
+def choose_reasoning_parser(name: str, template) -> str:
+    if name not in REASONING_PARSERS: raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {name!r}")
+    t = template if isinstance(template, str) else json.dumps(template or "")
+    return ("qwen3" if THINK_START in t else "none") if name == "auto" else name
