@@ -14,14 +14,15 @@ from .model import load_model, load_tokenizer
 from .runner import ModelRunner
 from .block_manager import BlockManager
 from .sampling import SamplingParams, SampleOutput, sample
-from .outputs import (CompletionOutput, RequestMetrics, RequestOutput, IncrementalDetokenizer,
+from .outputs import (CompletionOutput, RequestMetrics, RequestOutput, PoolingRequestOutput, IncrementalDetokenizer,
                                  append_token, completion_output)
-from .scheduler import Scheduler, Sequence, SeqStatus
+from .scheduler import Scheduler, Sequence, SeqStatus, PoolingParams
 from .structured import StructuredOutputManager, apply_grammar_masks
 from .trace import Tracer
 
 # %% auto 0
-__all__ = ['TRACE_REQUESTS', 'FINISHED_FIELDS', 'QueueFull', 'StepLog', 'LLMEngine', 'MemoryTrimmer', 'AsyncLLMEngine', 'LLM']
+__all__ = ['TRACE_REQUESTS', 'FINISHED_FIELDS', 'POOLING_UNSUPPORTED', 'QueueFull', 'StepLog', 'LLMEngine', 'MemoryTrimmer',
+           'AsyncLLMEngine', 'LLM']
 
 # %% ../nbs/08_engine.ipynb
 class QueueFull(RuntimeError): "The engine's waiting queue is at its limit."
@@ -61,6 +62,7 @@ class _Request:
     error: str|None = None
     prompt_logprobs: list|None = None                # filled by position as the prompt's chunks are computed
     error_type: str|None = None                      # "invalid_request_error" or "internal_error", with `error`
+    pooled: object = None                            # a pooling request's running sum ("mean") or last state ("last"), fp32
     @property
     def finished(self): return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
 
@@ -87,6 +89,7 @@ class LLMEngine:
         self.finished_log = StepLog(10_000, FINISHED_FIELDS)    # the timings of finished requests (notebook 09 reads them)
         self.token_log = StepLog(100_000, ("time", "tokens"))   # tokens generated per step
         self.num_steps = self.num_generated_tokens = 0
+        self.num_prompt_tokens = self.num_pooled_requests = 0   # prompt tokens computed; pooling requests finished
         self._seed = itertools.count(cfg.seed * 1_000_003)
         self._structured, self._structured_lock, self._bitmask = None, threading.Lock(), None   # built on the first constrained request
         self.grammar_mask_time, self.grammar_mask_steps = 0.0, 0
@@ -118,7 +121,7 @@ def _param_token_ids(p: SamplingParams):
 
 @patch
 def add_request(self: LLMEngine, request_id, prompt, params: SamplingParams|None = None, priority=0, arrival_time=None):
-    "Queue a request; `prompt` is a string or a list of token ids. Raises ValueError for bad input, QueueFull when full."
+    "Queue a request (`PoolingParams`: an embedding); `prompt` is a string or token ids. ValueError for bad input, QueueFull when full."
     params = params or SamplingParams()
     if request_id in self.requests: raise ValueError(f"request id {request_id!r} is already in use")
     if isinstance(prompt, str): text, ids = prompt, self.tokenizer(prompt)["input_ids"]
@@ -126,6 +129,7 @@ def add_request(self: LLMEngine, request_id, prompt, params: SamplingParams|None
     if not ids: raise ValueError("the prompt is empty")
     V = self.model.config.vocab_size
     if not all(isinstance(t, int) and 0 <= t < V for t in ids): raise ValueError(f"prompt token ids must be integers in [0, {V})")
+    if isinstance(params, PoolingParams): return self._add_pooling(request_id, text, ids, params, priority, arrival_time)
     for name, tids in _param_token_ids(params):
         if any(t >= V for t in tids): raise ValueError(f"{name}: token ids must be in [0, {V}), the model's vocabulary")
     room = self.max_model_len - len(ids)
@@ -159,6 +163,24 @@ def abort(self: LLMEngine, request_id) -> RequestOutput|None:
     return self._finish_request(req)
 
 # %% ../nbs/08_engine.ipynb
+POOLING_UNSUPPORTED = ("pooling requests (embeddings) are not available with tensor parallelism: its ranks return the sampled "
+                       "rows' logits, not the final hidden states a pooled vector is made of")
+
+@patch
+def _add_pooling(self: LLMEngine, request_id, text, ids, params: PoolingParams, priority=0, arrival_time=None):
+    if not getattr(self.runner, "can_pool", False): raise ValueError(POOLING_UNSUPPORTED)
+    if len(ids) > self.max_model_len:
+        raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has {len(ids)} tokens")
+    bm = self.block_manager
+    if bm.blocks_for(len(ids)) > bm.num_blocks:
+        raise ValueError(f"the prompt's {len(ids)} tokens need more KV cache than the engine has ({bm.num_blocks * bm.block_size} tokens)")
+    if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting: raise QueueFull("the request queue is full")
+    seq = Sequence(request_id, ids, params, priority, arrival_time)
+    self.requests[request_id] = _Request(request_id, text, ids, params, [seq], metrics=RequestMetrics(seq.arrival_time, num_prompt_tokens=len(ids)))
+    self.scheduler.add(seq)
+    return request_id
+
+# %% ../nbs/08_engine.ipynb
 @patch
 def step(self: LLMEngine) -> list[RequestOutput]:
     "Run one engine step; returns the outputs of every request it touched."
@@ -171,13 +193,18 @@ def step(self: LLMEngine) -> list[RequestOutput]:
     try: res = self.runner.execute(out)
     except Exception as e:    # a failed forward fails the requests in it, not the engine
         return [self._fail(self.requests[rid], e) for rid in dict.fromkeys(r.request_id for r in out.scheduled) if rid in self.requests]
-    self.scheduler.update(out)
+    self.num_prompt_tokens += sum(max(0, min(len(r.token_ids), r.seq.num_prompt_tokens - r.num_computed)) for r in out.scheduled)
+    pooled = self.scheduler.update(out)       # pooling requests whose last chunk this was: finished, blocks freed
+    for k, part in res.pooled.items(): self._pool(out.scheduled[k], part)
     for k, lg in res.row_logits.items(): self._prompt_logprobs(out.scheduled[k], lg)
     rows = [out.scheduled[i] for i in res.sampled]
     plain = [k for k, r in enumerate(rows) if not r.spec_token_ids]     # rows with drafts are verified below
     logits = res.logits if len(plain) == len(rows) else res.logits[plain]
     samples = self._sample(logits, [rows[k].seq for k in plain]) if plain else []
     now, touched, n_new = time.perf_counter(), {}, len(samples)
+    for seq in pooled:
+        if (req := self.requests.pop(seq.request_id, None)) is not None:
+            self.num_pooled_requests += 1; touched[req.request_id] = self._finish_request(req)
     for k, smp in zip(plain, samples):
         seq = rows[k].seq; req = self.requests.get(seq.request_id)
         if req is None or seq.is_finished: continue   # failed earlier in this step (another of its n)
@@ -196,7 +223,15 @@ def step(self: LLMEngine) -> list[RequestOutput]:
         if rec is not None: rec.tokens.setdefault(req.request_id, []).extend(toks)
     self.num_steps += 1; self.num_generated_tokens += n_new
     self.token_log.append(now, n_new)
-    return [r if isinstance(r, RequestOutput) else self._output(r) for r in touched.values()]
+    return [r if isinstance(r, (RequestOutput, PoolingRequestOutput)) else self._output(r) for r in touched.values()]
+
+@patch
+def _pool(self: LLMEngine, row, part):
+    "Add one chunk's pooled part to its request: summed for the mean (restarted with the prompt's first token), the latest for the last."
+    req = self.requests.get(row.request_id)
+    if req is None: return
+    fresh = row.pooling == "last" or row.num_computed == 0 or req.pooled is None   # a recomputed request starts over at 0
+    req.pooled = part if fresh else req.pooled + part
 
 @patch
 def _prompt_logprobs(self: LLMEngine, row, logits):
@@ -291,11 +326,22 @@ def _accept(self: LLMEngine, req: _Request, seq: Sequence, smp) -> bool:
 
 # %% ../nbs/08_engine.ipynb
 @patch
-def _output(self: LLMEngine, req: _Request) -> RequestOutput:
+def _output(self: LLMEngine, req: _Request) -> RequestOutput|PoolingRequestOutput:
+    if isinstance(req.params, PoolingParams): return self._pooling_output(req)
     outs = [completion_output(s) for s in sorted(req.seqs, key=lambda s: s.index)]
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished or req.error is not None
                          or any(s.finish_reason == "abort" for s in req.seqs), req.metrics, req.error, req.prompt_logprobs,
                          req.error_type)
+
+@patch
+def _pooling_output(self: LLMEngine, req: _Request) -> PoolingRequestOutput:
+    "A pooling request's output: its vector (the mean, or the last state, L2-normalised) once its prompt is done."
+    seq, v = req.seqs[0], None
+    if seq.finish_reason == "pooled":
+        v = req.pooled / len(req.prompt_token_ids) if req.params.pooling == "mean" else req.pooled
+        v = torch.nn.functional.normalize(v, dim=-1)
+    return PoolingRequestOutput(req.request_id, req.prompt_token_ids, v, seq.is_finished or req.error is not None, req.metrics,
+                                req.error, req.error_type, seq.finish_reason)
 
 @patch
 def _finish_request(self: LLMEngine, req: _Request) -> RequestOutput:
@@ -521,6 +567,42 @@ def shutdown(self: AsyncLLMEngine):
     if hasattr(self.engine.runner, "close"): self.engine.runner.close()    # tensor-parallel ranks exit with us
 
 # %% ../nbs/08_engine.ipynb
+@patch
+def _add_all(self: AsyncLLMEngine, items: list, params, priority, streams: dict):
+    "Add every `(request id, prompt)` under one hold of the lock; when one is refused, none stays."
+    with self._lock:
+        added = []
+        try:
+            for rid, prompt in items:
+                self.engine.add_request(rid, prompt, params, priority); added.append(rid); self._streams[rid] = streams[rid]
+        except BaseException:
+            for rid in added: self._streams.pop(rid, None); self.engine.abort(rid)
+            raise
+
+@patch
+async def encode(self: AsyncLLMEngine, prompts: list, params: PoolingParams|None = None, request_id=None,
+                 priority=0) -> list[PoolingRequestOutput]:
+    "Pool every prompt (strings or token-id lists), one request each, batched with everything else; outputs in order."
+    loop, base = asyncio.get_running_loop(), request_id or uuid.uuid4().hex
+    streams = {f"{base}-{i}": _Stream(loop, asyncio.Event()) for i in range(len(prompts))}
+    adding, done = asyncio.ensure_future(asyncio.to_thread(self._add_all, list(zip(streams, prompts)), params or PoolingParams(),
+                                                           priority, streams)), {}
+    try:
+        await asyncio.shield(adding); self._wake.set()
+        for rid, s in streams.items():
+            while rid not in done:
+                await s.ready.wait(); s.ready.clear()
+                out, resume = s.take()
+                if resume: self._resumes.append(rid); self._wake.set()
+                if out is not None and out.finished: done[rid] = out
+        return [done[rid] for rid in streams]
+    finally:
+        if not adding.done(): await asyncio.wait([adding])    # in (or refused) before being aborted
+        for rid in streams:
+            if rid not in done: self.abort(rid)
+            else: self._streams.pop(rid, None)
+
+# %% ../nbs/08_engine.ipynb
 class LLM:
     "vLLM's offline API: `LLM(model=None).generate(prompts, params)`."
     def __init__(self, model=None, **kw): self.engine = LLMEngine(EngineConfig.create(model=model, **kw))
@@ -546,6 +628,10 @@ class LLM:
             for rid in ids:
                 if rid not in results: eng.abort(rid)
         return [results[r] for r in ids]
+
+    def embed(self, prompts, pooling="mean", use_tqdm=False) -> list[PoolingRequestOutput]:
+        "Pooled, normalised final hidden states of every prompt (chapter 10c): pooling requests, batched like any others."
+        return self.generate(prompts, PoolingParams(pooling), use_tqdm=use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm=False) -> RequestOutput:
         "One chat completion: `messages` rendered with the model's own chat template."

@@ -42,6 +42,7 @@ def engine_stats(engine, window=60.0) -> dict:
               kv_block_size=bm.block_size, requests_running=len(sch.running), requests_waiting=len(sch.waiting),
               requests_swapped=len(sch.swapped), requests_finished=engine.finished_log.count,
               tokens_generated=engine.num_generated_tokens, steps=engine.num_steps,
+              prompt_tokens=engine.num_prompt_tokens, requests_pooled=engine.num_pooled_requests,
               prefix_cache_hit_rate=bm.prefix_hit_rate, preemptions=sch.num_preemptions, swaps=sch.num_swaps)
     for key in ("ttft", "tpot", "e2e", "queue"):
         for q, v in percentiles(lat[key]).items(): st[f"{key}_ms_p{q}"] = None if v is None else v * 1e3

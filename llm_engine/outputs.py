@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # %% auto 0
-__all__ = ['CompletionOutput', 'RequestMetrics', 'RequestOutput', 'IncrementalDetokenizer', 'find_stop', 'Finish',
-           'record_logprobs', 'append_token', 'visible_text', 'completion_output', 'StreamDelta', 'DeltaTracker']
+__all__ = ['CompletionOutput', 'RequestMetrics', 'RequestOutput', 'PoolingRequestOutput', 'IncrementalDetokenizer', 'find_stop',
+           'Finish', 'record_logprobs', 'append_token', 'visible_text', 'completion_output', 'StreamDelta',
+           'DeltaTracker']
 
 # %% ../nbs/07b_outputs.ipynb
 @dataclass
@@ -43,6 +44,19 @@ class RequestOutput:
     error: str|None = None
     prompt_logprobs: list|None = None   # per prompt token: None (the first), else {token_id: logprob}, its own first
     error_type: str|None = None         # OpenAI's: "invalid_request_error" (its own constraints cannot be met) or "internal_error"
+
+# %% ../nbs/07b_outputs.ipynb
+@dataclass
+class PoolingRequestOutput:
+    "The end of a pooling request: its prompt's pooled final hidden state, L2-normalised (None if aborted or failed)."
+    request_id: str
+    prompt_token_ids: list
+    embedding: object|None          # torch.Tensor [hidden], float32, on the CPU
+    finished: bool
+    metrics: RequestMetrics|None = None
+    error: str|None = None
+    error_type: str|None = None
+    finish_reason: str|None = None  # "pooled", "abort" or "error"
 
 # %% ../nbs/07b_outputs.ipynb
 class _WindowDecoder:

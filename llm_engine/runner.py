@@ -13,7 +13,7 @@ from .model import Llama, prepack_linears, keep_freed_memory, release_freed_memo
 from .scheduler import SchedulerOutput, ScheduledSeq
 
 # %% auto 0
-__all__ = ['StepInputs', 'RunnerOutput', 'ModelRunner']
+__all__ = ['StepInputs', 'RunnerOutput', 'ModelRunner', 'pool_rows']
 
 # %% ../nbs/07a_runner.ipynb
 @dataclass
@@ -25,6 +25,7 @@ class StepInputs:
     sample_index: torch.Tensor   # [S] flat index of the last token of each sampled row
     sampled: list                # [S] index into `SchedulerOutput.scheduled` of each sampled row
     spans: dict = field(default_factory=dict)   # row index -> (start, end) in the flat batch, for rows wanting all logits
+    pools: dict = field(default_factory=dict)   # row index -> (start, end) in the flat batch, for pooling rows
 
 @dataclass
 class RunnerOutput:
@@ -32,10 +33,12 @@ class RunnerOutput:
     logits: torch.Tensor|None    # [S, vocab] float32; None when nothing was sampled
     sampled: list                # [S] index into `SchedulerOutput.scheduled` of each row of `logits`
     row_logits: dict = field(default_factory=dict)   # row index -> [n, vocab] logits of every position (rows with all_logits)
+    pooled: dict = field(default_factory=dict)       # row index -> [hidden] fp32: this chunk's sum ("mean") or last state ("last")
 
 # %% ../nbs/07a_runner.ipynb
 class ModelRunner:
     "Owns the KV cache and the step inputs; runs the model on a `SchedulerOutput`."
+    can_pool = True     # returns pooling rows' hidden states (`RunnerOutput.pooled`); the engine asks before it admits one
     def __init__(self, model: Llama, num_blocks, block_size, num_cpu_blocks=0, prepack=True, attention_backend="auto"):
         mc, dt = model.config, model.embed_tokens.weight.dtype
         self.device = model.embed_tokens.weight.device
@@ -89,10 +92,18 @@ def prepare(self: ModelRunner, rows: list[ScheduledSeq]) -> StepInputs:
     where = [0] * len(rows)
     for rank, i in enumerate(order): where[i] = ends[rank] - 1
     sampled = [i for i, r in enumerate(rows) if r.do_sample]
-    spans = {i: (where[i] + 1 - len(r.token_ids), where[i] + 1) for i, r in enumerate(rows) if r.all_logits}
+    span = lambda i: (where[i] + 1 - len(rows[i].token_ids), where[i] + 1)
+    spans = {i: span(i) for i, r in enumerate(rows) if r.all_logits}
+    pools = {i: span(i) for i, r in enumerate(rows) if r.pooling}
     dev = self.device
     return StepInputs(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), md,
-                      torch.tensor([where[i] for i in sampled], dtype=torch.long, device=dev), sampled, spans)
+                      torch.tensor([where[i] for i in sampled], dtype=torch.long, device=dev), sampled, spans, pools)
+
+def pool_rows(hidden, inp: StepInputs, rows: list[ScheduledSeq]) -> dict:
+    "Each pooling row's part of its pooled state from this step, fp32 on the CPU, in one transfer: a sum, or the last state."
+    if not inp.pools: return {}
+    parts = [hidden[s:e].float().sum(0) if rows[i].pooling == "mean" else hidden[e - 1].float() for i, (s, e) in inp.pools.items()]
+    return dict(zip(inp.pools, torch.stack(parts).cpu()))
 
 @patch
 @torch.inference_mode()
@@ -101,13 +112,14 @@ def execute(self: ModelRunner, out: SchedulerOutput) -> RunnerOutput:
     self.apply_block_ops(out)
     if not out.scheduled: return RunnerOutput(None, [])
     inp = self.prepare(out.scheduled)
-    every_row = self.replayer.replay(inp) if self.replayer is not None else None   # [T, vocab] logits, or None: eager
+    replay = self.replayer is not None and not inp.pools      # a replay returns logits; pooling rows need hidden states
+    every_row = self.replayer.replay(inp) if replay else None   # [T, vocab] logits, or None: eager
     if every_row is not None:
         return RunnerOutput(every_row[inp.sample_index].to("cpu") if inp.sampled else None, inp.sampled)
     hidden = self.model(inp.input_ids, inp.positions, inp.attn, self.layer_caches)
     logits = self.model.compute_logits(hidden[inp.sample_index]) if inp.sampled else None
     rows = {i: self.model.compute_logits(hidden[s:e]).to("cpu") for i, (s, e) in inp.spans.items()}
-    return RunnerOutput(None if logits is None else logits.to("cpu"), inp.sampled, rows)
+    return RunnerOutput(None if logits is None else logits.to("cpu"), inp.sampled, rows, pool_rows(hidden, inp, out.scheduled))
 
 # %% ../nbs/07a_runner.ipynb
 @patch

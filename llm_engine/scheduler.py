@@ -6,13 +6,14 @@
 from __future__ import annotations
 import heapq, itertools, time
 from dataclasses import dataclass, field
+from typing import ClassVar
 from enum import Enum
 from fastcore.basics import patch
 from .config import SchedulerConfig
 from .block_manager import BlockManager
 
 # %% auto 0
-__all__ = ['SeqStatus', 'Sequence', 'ScheduledSeq', 'Decision', 'SchedulerOutput', 'Scheduler', 'plot_timeline']
+__all__ = ['SeqStatus', 'Sequence', 'PoolingParams', 'ScheduledSeq', 'Decision', 'SchedulerOutput', 'Scheduler', 'plot_timeline']
 
 # %% ../nbs/07_scheduler.ipynb
 class SeqStatus(Enum): WAITING = "waiting"; RUNNING = "running"; SWAPPED = "swapped"; FINISHED = "finished"
@@ -45,7 +46,22 @@ class Sequence:
     def sort_key(self): return (self.priority, self.arrival_time, self.seq_id)
     @property
     def is_finished(self): return self.status == SeqStatus.FINISHED
+    @property
+    def pooling(self): return getattr(self.params, "pooling", None)   # "mean" or "last" for a pooling request (below)
     def __repr__(self): return f"Sequence({self.seq_id}, {self.status.value}, {self.num_computed}/{self.num_tokens})"
+
+# %% ../nbs/07_scheduler.ipynb
+@dataclass(frozen=True)
+class PoolingParams:
+    "A request for its prompt's pooled final hidden state (an embedding): a prefill with no sampling."
+    pooling: str = "mean"          # "mean" over every prompt token, or the "last" token's state
+    # what code that reads any request's parameters asks (a speculator, chapter 8b): a pooling request samples nothing
+    n: ClassVar[int] = 1
+    max_tokens: ClassVar[int] = 0
+    logprobs: ClassVar[None] = None
+    prompt_logprobs: ClassVar[None] = None
+    def __post_init__(self):
+        if self.pooling not in ("mean", "last"): raise ValueError(f"pooling must be 'mean' or 'last', got {self.pooling!r}")
 
 # %% ../nbs/07_scheduler.ipynb
 @dataclass
@@ -60,6 +76,7 @@ class ScheduledSeq:
     seq: Sequence|None = field(default=None, repr=False, compare=False)   # for the engine; the runner never reads it
     all_logits: bool = False  # also return the logits of every position of the row (prompt logprobs, draft tokens)
     spec_token_ids: list = field(default_factory=list)   # draft tokens appended to `token_ids`, to verify (notebook 08b)
+    pooling: str|None = None  # "mean" or "last": the runner returns the row's pooled final hidden states, never logits
 
 @dataclass
 class Decision:
@@ -128,13 +145,15 @@ def _add_row(self: Scheduler, out: SchedulerOutput, seq: Sequence, n: int, actio
     c, total, spec = seq.num_computed, seq.num_tokens, list(spec)
     wants_prompt = getattr(seq.params, "prompt_logprobs", None) is not None and c < seq.num_prompt_tokens
     out.scheduled.append(ScheduledSeq(seq.seq_id, seq.request_id, seq.token_ids[c:c + n] + spec, c,
-                                      list(self.bm.block_table(seq.seq_id)), c + n == total, seq, wants_prompt or bool(spec), spec))
+                                      list(self.bm.block_table(seq.seq_id)), c + n == total and not seq.pooling, seq,
+                                      wants_prompt or bool(spec), spec, seq.pooling))
     chunk = f"prefill chunked: {c + n} of {total} tokens" if c + n < total else ""
     if action is None:
         action = "chunked" if chunk else "scheduled"
         note = chunk or ("decode" + (f" + {len(spec)} draft tokens" if spec else "") if n == 1 and c >= seq.num_prompt_tokens
                          else f"prefill: {n} tokens ({c + n} of {total})")
     else: note = "; ".join(x for x in (note, chunk) if x)
+    if seq.pooling: note += f" (pooling, {seq.pooling}: a prefill with no sampling)"
     self._decide(out, seq, action, note)
 
 # %% ../nbs/07_scheduler.ipynb
@@ -159,7 +178,7 @@ def _make_room(self: Scheduler, out: SchedulerOutput, seq: Sequence, n: int, que
 def _take_drafts(self: Scheduler, seq: Sequence, n: int, budget: int) -> list:
     "The draft tokens proposed for `seq` that fit the budget left and the free blocks; never preempts for them."
     drafts, seq.spec_token_ids = seq.spec_token_ids, []
-    if not drafts or seq.num_computed + n != seq.num_tokens: return []    # only a row that reaches the last token
+    if not drafts or seq.pooling or seq.num_computed + n != seq.num_tokens: return []    # only a row that reaches the last token
     drafts = drafts[:max(0, budget)]
     while drafts and not self.bm.can_append(seq.seq_id, seq.num_computed, seq.num_tokens + len(drafts)): drafts.pop()
     return drafts
@@ -224,7 +243,9 @@ def _schedule_waiting(self: Scheduler, out: SchedulerOutput, budget: int) -> tup
         seq = self._next_waiting()
         if cause := self._blocked(budget, self.bm.blocks_for(seq.num_tokens)): return budget, cause
         self._take_waiting(seq)
-        seq.num_computed = self.bm.allocate(seq.seq_id, seq.token_ids, getattr(seq.params, "prompt_logprobs", None) is None)
+        # every token computed when its logits (prompt logprobs) or hidden states (mean pooling) are wanted, not only the K/V
+        reuse = getattr(seq.params, "prompt_logprobs", None) is None and seq.pooling != "mean"
+        seq.num_computed = self.bm.allocate(seq.seq_id, seq.token_ids, reuse)
         seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed)
         n = min(seq.remaining, budget)
         seq.status = SeqStatus.RUNNING; self.running.append(seq)
@@ -267,13 +288,16 @@ def schedule(self: Scheduler) -> SchedulerOutput:
 
 # %% ../nbs/07_scheduler.ipynb
 @patch
-def update(self: Scheduler, out: SchedulerOutput):
-    "Record that the scheduled tokens were computed."
+def update(self: Scheduler, out: SchedulerOutput) -> list[Sequence]:
+    "Record that the scheduled tokens were computed; pooling requests whose prompt is done finish (returned)."
+    pooled = []
     for r in out.scheduled:
         seq = r.seq
         if seq.is_finished: continue
         seq.num_computed += len(r.token_ids) - len(r.spec_token_ids)   # drafts count once accepted (notebook 08b)
         self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
+        if seq.pooling and seq.remaining == 0: self.finish(seq, "pooled"); pooled.append(seq)   # nothing will read its K/V
+    return pooled
 
 @patch
 def finish(self: Scheduler, seq: Sequence, reason: str):

@@ -1,6 +1,8 @@
 """`POST /v1/embeddings` on `llm-engine serve` (the embedded model, fp32: the conftest's server), over HTTP (issue 25):
 identical texts have a cosine of 1, a batch equals its inputs one by one, every input shape and both encodings agree,
-bad input is a 400 naming its field, and no KV block is ever taken, even beside a generating stream."""
+bad input is a 400 naming its field; each input is a pooling request batched through the engine with the chat streams in
+flight (the trace shows them in the same steps), counted in /v1/stats and /metrics, and its KV blocks all come back,
+after it finishes and when its client hangs up."""
 import base64, json, threading, time
 import httpx, numpy as np, pytest
 
@@ -74,31 +76,72 @@ def test_over_the_context_is_a_400(http, served):
     r = http.post("/v1/embeddings", json={"input": ["short", "word " * (n + 10)]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[1]", r.text
 
-def test_no_kv_block_taken_beside_a_stream(http, server):
-    "Embeddings (a long input in chunks among them) while a greedy chat streams: the chat is unchanged, the blocks all come back."
+def stats(http) -> dict: return http.get("/v1/stats").json()
+
+def wait_idle(http, timeout=60.0) -> dict:
+    "The stats once nothing runs, waits or holds a block (a cancelled request is aborted by the engine's next step)."
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        st = stats(http)
+        if st["kv_blocks_used"] == 0 and st["requests_running"] == 0 and st["requests_waiting"] == 0: return st
+        time.sleep(0.05)
+    return st
+
+def computing_steps(trace: dict) -> set:
+    "The steps in which a request's tokens were computed (admitted, chunked, scheduled, swapped in), from its trace runs."
+    return {s for r in trace["runs"] if r["action"] in ("admitted", "chunked", "scheduled", "swapped_in")
+            for s in range(r["first"], r["last"] + 1)}
+
+def test_batched_with_streaming_chats(http, server):
+    """Embeddings (a long input in chunks among them) while greedy chats stream: each chat is unchanged, the trace shows
+    embedding inputs computed in the same steps as a chat, /v1/stats and /metrics count them, and the blocks all come back."""
     chat = {"messages": [{"role": "user", "content": "Count from one to twenty."}], "max_tokens": 40, "temperature": 0}
     alone = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
-    got, errors = {}, []
-    def stream():
+    before = wait_idle(http)
+    got, errors, ids = {}, [], []
+    def stream(k):
         text = ""
         with httpx.Client(base_url=server.base, timeout=300) as c, c.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as s:
             for line in s.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-        got["chat"] = text
+                    d = json.loads(line[6:]); ids.append(d["id"])
+                    text += d["choices"][0]["delta"].get("content") or ""
+        got[f"chat{k}"] = text
     def embeddings():
         try: got["emb"] = [embed(http, ["word " * 1500, *TEXTS]) for _ in range(2)]
         except Exception as e: errors.append(e)
-    ts = [threading.Thread(target=stream), threading.Thread(target=embeddings)]
+    ts = [threading.Thread(target=stream, args=(k,)) for k in range(2)] + [threading.Thread(target=embeddings)]
     for t in ts: t.start()
     for t in ts: t.join(300)
     assert not errors, errors
-    assert got["chat"] == alone
+    assert got["chat0"] == alone and got["chat1"] == alone
     np.testing.assert_allclose(got["emb"][0], got["emb"][1], atol=1e-6)
-    for _ in range(100):
-        if kv_used(http) == 0: break
-        time.sleep(0.05)
-    assert kv_used(http) == 0
+    after = wait_idle(http)
+    assert after["kv_blocks_used"] == 0 and after["kv_blocks_total"] > 0
+    n_inputs = 2 * (1 + len(TEXTS))
+    assert after["requests_pooled"] - before["requests_pooled"] == n_inputs
+    assert after["requests_finished"] - before["requests_finished"] == n_inputs + 2
+    n_tokens = sum(len(http.post("/tokenize", json={"prompt": t}).json()["tokens"]) for t in ["word " * 1500, *TEXTS])
+    assert after["prompt_tokens"] - before["prompt_tokens"] >= 2 * n_tokens      # plus the chats' prompts
+    metrics = http.get("/metrics").text
+    assert f"llm_engine_requests_pooled {float(stats(http)['requests_pooled'])}" in metrics
+    listed = http.get("/v1/debug/trace").json()["requests"]
+    chat_steps = set().union(*(computing_steps(t) for cid in set(ids) for t in http.get("/v1/debug/trace", params={"request_id": cid}).json()["traces"]))
+    emb_steps = set().union(*(computing_steps(http.get("/v1/debug/trace", params={"request_id": rid}).json()["traces"][0])
+                              for rid in listed if rid.startswith("embd-")))
+    assert chat_steps & emb_steps, "no step computed an embedding input and a chat together"
+
+def test_cancel_on_disconnect_frees_blocks(http, server):
+    "A client that hangs up mid-way: its inputs are aborted (not all of them finish), and every block comes back."
+    before = wait_idle(http)
+    body = {"input": ["many words in a row " * 300] * 24}
+    with httpx.Client(base_url=server.base, timeout=1.5) as c:
+        with pytest.raises(httpx.TimeoutException): c.post("/v1/embeddings", json=body)
+    after = wait_idle(http)
+    assert after["kv_blocks_used"] == 0 and after["requests_running"] == 0 and after["requests_waiting"] == 0
+    assert after["requests_pooled"] - before["requests_pooled"] < 24, "the work was not cancelled"
+    assert after["requests_finished"] - before["requests_finished"] == 24   # finished all the same: aborted
+    assert embed(http, "still serving").shape[0] == 1
 
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"])
 def test_every_family_pools_transformers_hidden_states(family, tmp_path):
