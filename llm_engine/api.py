@@ -15,7 +15,7 @@ from fastcore.basics import patch
 from .engine import AsyncLLMEngine, QueueFull, RequestOutput
 from .metrics import engine_stats, prometheus_text
 from .protocol import *
-from .tool_parsers import (render_tool_messages, tool_stream_parser, parse_tool_output, choose_tool_format, TOOL_FORMATS,
+from .tool_parsers import (render_tool_messages, tool_stream_parser, parse_tool_output, resolve_tool_format, TOOL_FORMATS,
                                      ReasoningStreamParser, split_reasoning, prompt_opens_think, choose_reasoning_parser)
 
 # %% auto 0
@@ -656,7 +656,7 @@ async def debug_trace(request: Request, request_id: str|None = None):
     return body
 
 # %% ../nbs/10_api.ipynb
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("auto", *TOOL_FORMATS)   # hermes, llama3_json, mistral, mistral_v11 (chapter 6b)
 
 def load_chat_template(t: str|None) -> str|None:
     "A chat template from a file (or given inline, as Jinja text); None keeps the model's own."
@@ -670,7 +670,7 @@ def load_chat_template(t: str|None) -> str|None:
 def check_tool_call_parser(name: str, template: str = "") -> str:
     "The tool-call format to serve: `name`, or for `auto` the one the chat template was written for (chapter 6b)."
     if name not in TOOL_CALL_PARSERS: raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {name!r}")
-    return choose_tool_format(template) if name == "auto" else name
+    return resolve_tool_format(name, template)
 
 # %% ../nbs/10_api.ipynb
 from .config import generation_defaults

@@ -31,7 +31,7 @@ HELP = {
     "stream_stall_action": "pause: stop computing a stalled request, KV kept, until its client reads; abort: cancel it",
     "chat_template": "a Jinja chat template file, used instead of the model's (tools are passed to it when it renders `tools`)",
     "reasoning_parser": "<think> ... </think> to the message's reasoning_content: auto (qwen3 when the chat template mentions <think>), qwen3 or none",
-    "tool_call_parser": "the tool-call format: auto (read from the chat template: <tool_call> hermes, <|python_tag|>/ipython llama3_json, [TOOL_CALLS] mistral, no tool support hermes), hermes, llama3_json or mistral",
+    "tool_call_parser": "the tool-call format: auto (read from the chat template: <tool_call> hermes, <|python_tag|>/ipython llama3_json, [TOOL_CALLS] mistral (mistral_v11 when the template writes name[ARGS]{...}), no tool support hermes), hermes, llama3_json, mistral or mistral_v11",
     "num_speculative_tokens": "speculative decoding: draft tokens proposed by prompt lookup and verified per step (0: off)",
     "prompt_lookup_min": "shortest n-gram that proposes drafts", "prompt_lookup_max": "longest n-gram tried first",
     "enforce_eager": "no CUDA graphs: run every step eagerly (graphs are recorded only on CUDA; a no-op on CPU and MPS)",
@@ -43,7 +43,7 @@ FLAGS = {"num_threads": ["--threads", "--num-threads"], "enable_prefix_caching":
 SKIP = {"seed", "cache", "scheduler", "speculative"}   # the engine seed is not a CLI knob; sub-configs are flattened
 SIZES = {"kv_cache_memory", "swap_space", "max_body_bytes"}
 CHOICES = {"dtype": list(DTYPES), "quantization": list(QUANTIZATIONS), "attention_backend": ["auto", "cpp", "torch", "triton"],
-           "tool_call_parser": ["auto", "hermes", "llama3_json", "mistral"], "reasoning_parser": ["auto", "qwen3", "none"], "stream_stall_action": ["pause", "abort"], "scheduling_policy": ["fcfs", "sjf"],
+           "tool_call_parser": ["auto", "hermes", "llama3_json", "mistral", "mistral_v11"], "reasoning_parser": ["auto", "qwen3", "none"], "stream_stall_action": ["pause", "abort"], "scheduling_policy": ["fcfs", "sjf"],
            "loop": ["auto", "asyncio", "uvloop"]}
 
 def _arg_type(name, t: str):

@@ -11,12 +11,13 @@ from fastcore.basics import patch
 from .structured import StructuredOutputsParams
 
 # %% auto 0
-__all__ = ['TOOLS_PROMPT', 'TOOL_CALL_START', 'TOOL_CALL_END', 'LLAMA3_JSON', 'MISTRAL', 'FORMAT_PROMPTS', 'TOOL_FORMATS',
-           'THINK_START', 'THINK_END', 'REASONING_PARSERS', 'validate_tools', 'render_tools_prompt', 'render_tool_call',
-           'render_tool_messages', 'ToolCall', 'ParsedToolOutput', 'parse_tool_call', 'parse_tool_calls',
-           'ToolCallDelta', 'StreamDelta', 'ToolCallStreamParser', 'tool_choice_structured_outputs', 'ToolFormat',
-           'JsonCallsStreamParser', 'parse_format', 'choose_tool_format', 'tool_stream_parser', 'parse_tool_output',
-           'ReasoningStreamParser', 'split_reasoning', 'prompt_opens_think', 'choose_reasoning_parser']
+__all__ = ['TOOLS_PROMPT', 'TOOL_CALL_START', 'TOOL_CALL_END', 'LLAMA3_JSON', 'MISTRAL', 'MISTRAL_V11', 'FORMAT_PROMPTS',
+           'TOOL_FORMATS', 'THINK_START', 'THINK_END', 'REASONING_PARSERS', 'validate_tools', 'render_tools_prompt',
+           'render_tool_call', 'render_tool_messages', 'ToolCall', 'ParsedToolOutput', 'parse_tool_call',
+           'parse_tool_calls', 'ToolCallDelta', 'StreamDelta', 'ToolCallStreamParser', 'tool_choice_structured_outputs',
+           'ToolFormat', 'JsonCallsStreamParser', 'parse_format', 'choose_tool_format', 'resolve_tool_format',
+           'tool_stream_parser', 'parse_tool_output', 'ReasoningStreamParser', 'split_reasoning', 'prompt_opens_think',
+           'choose_reasoning_parser']
 
 # %% ../nbs/06b_tool_calls.ipynb
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -302,6 +303,7 @@ class ToolFormat:
     args_key: str             # the key the model writes the arguments under
     anywhere: bool = True     # calls may follow text (else only at the very start of the answer)
     list_form: bool = False   # the calls are a JSON list: `[` ... `]`
+    named: bool = False       # each call is `marker name[ARGS]{...}` (Mistral's newer templates; read by both Mistral formats)
     new_id: Callable = lambda: f"call_{uuid.uuid4().hex[:24]}"
 
 # %% ../nbs/06b_tool_calls.ipynb
@@ -360,14 +362,20 @@ def _calls(self: JsonCallsStreamParser, out) -> bool:
     p = _skip(t, self.pos, "[" if f.list_form and self.pos == self._after_open() else f.sep.strip())
     if p >= len(t): return False
     if f.list_form and t[p] == "]": self.pos, self.mode = p + 1, "content"; return True
+    if f.opens[0] == "[TOOL_CALLS]" and t[p] != "{" and self.pos == self._after_open(): return self._named_call(out, p)
     try: obj, end = json.JSONDecoder().raw_decode(t, p)
     except json.JSONDecodeError: return False      # not whole yet (or never: `finish` decides)
     call = _call_of(obj, (f.args_key, "arguments", "parameters"))
     if call is None: return self._not_a_call(out)
-    tc = ToolCall(call[0], json.dumps(call[1], ensure_ascii=False), f.new_id())
+    return self._emit(out, call, end, "calls")
+
+@patch
+def _emit(self: JsonCallsStreamParser, out, call, end: int, then: str, cid: str|None = None) -> bool:
+    "Send one whole call (its head, then its arguments) and go on from `end` in mode `then`."
+    tc = ToolCall(call[0], json.dumps(call[1], ensure_ascii=False), cid or self.fmt.new_id())
     self.tool_calls.append(tc); k = len(self.tool_calls) - 1
     out += [StreamDelta(tool_calls=[ToolCallDelta(k, tc.id, tc.name, "")]), StreamDelta(tool_calls=[ToolCallDelta(k, arguments=tc.arguments)])]
-    self.pos = end
+    self.pos, self.mode = end, then
     if self.limit is not None and len(self.tool_calls) >= self.limit: self.mode = "done"
     return True
 
@@ -385,16 +393,29 @@ def _not_a_call(self: JsonCallsStreamParser, out) -> bool:
     out.append(StreamDelta(content=self.text[start:])); self.pos, self.mode = len(self.text), "plain"
     return False
 
+@patch
+def _named_call(self: JsonCallsStreamParser, out, p: int) -> bool:
+    "Mistral's newer form, one call per marker: `[TOOL_CALLS]name[ARGS]{...}` (or `name[CALL_ID]id[ARGS]{...}`)."
+    t = self.text
+    a = t.find("[ARGS]", p)
+    if a < 0: return False if len(t) - p < 256 else self._not_a_call(out)   # a name is short: a long wait is no call
+    name, _, cid = t[p:a].partition("[CALL_ID]")
+    try: obj, end = json.JSONDecoder().raw_decode(t, _skip(t, a + len("[ARGS]"), ""))
+    except json.JSONDecodeError: return False
+    call = _call_of({"name": name, "arguments": obj}, ("arguments",)) if _NAME.fullmatch(name) else None
+    if call is None: return self._not_a_call(out)
+    return self._emit(out, call, end, "content", cid if len(cid) == 9 and cid.isalnum() else None)
+
 # %% ../nbs/06b_tool_calls.ipynb
 @patch
 def finish(self: JsonCallsStreamParser, cut: bool = False) -> list[StreamDelta]:
-    rest = self.text[self.pos:]
+    rest, start = self.text[self.pos:], (self.run_start if self.mode == "calls" and self.pos == self._after_open() else self.pos)
     self.pos = len(self.text)
     if self.mode == "done" or not rest: return []
     if self.mode == "calls":
         s = rest.strip().strip(self.fmt.sep.strip() + ("[]" if self.fmt.list_form else "")).strip()
         if not s or cut: return []
-        return [StreamDelta(content=self.text[self.run_start:] if not self.tool_calls else rest)]
+        return [StreamDelta(content=self.text[start:])]   # no call: the run's marker goes back with it
     if cut and self.mode == "content": rest = rest[:len(rest) - _held(rest, self.fmt.opens)]
     if self.mode == "content" and not self.fmt.anywhere and any(m.startswith(rest.strip()) for m in self.fmt.opens if m): rest = rest if not cut else ""
     return [StreamDelta(content=rest)] if rest else []
@@ -409,13 +430,16 @@ def parse_format(fmt: ToolFormat, text: str, cut: bool = False, limit: int|None 
 # %% ../nbs/06b_tool_calls.ipynb
 LLAMA3_JSON = ToolFormat("llama3_json", opens=("<|python_tag|>", ""), sep=";", args_key="parameters", anywhere=False)
 MISTRAL = ToolFormat("mistral", opens=("[TOOL_CALLS]",), sep=",", args_key="arguments", list_form=True, new_id=_mistral_id)
+MISTRAL_V11 = ToolFormat("mistral_v11", opens=("[TOOL_CALLS]",), sep="", args_key="arguments", named=True, new_id=_mistral_id)
 
 # %% ../nbs/06b_tool_calls.ipynb
 FORMAT_PROMPTS = {
     "llama3_json": ("You have access to the following functions:\n{tools}\n\nTo call a function, answer with only a JSON object "
                     "{{\"name\": <function-name>, \"parameters\": <args-json-object>}}; separate several calls with \"; \". Do not use variables."),
     "mistral": ("You have access to the following functions:\n{tools}\n\nTo call functions, answer with [TOOL_CALLS] followed by a "
-                "JSON list of objects {{\"name\": <function-name>, \"arguments\": <args-json-object>}}.")}
+                "JSON list of objects {{\"name\": <function-name>, \"arguments\": <args-json-object>}}."),
+    "mistral_v11": ("You have access to the following functions:\n{tools}\n\nTo call a function, answer with [TOOL_CALLS], its name, "
+                    "[ARGS] and its arguments as a JSON object; one such block per call.")}
 
 @patch
 def prompt(self: ToolFormat, tools: list[dict]) -> str:
@@ -425,6 +449,7 @@ def prompt(self: ToolFormat, tools: list[dict]) -> str:
 def render_calls(self: ToolFormat, calls) -> str:
     "An assistant's calls, `[(name, arguments)]` with arguments a JSON string or an object, as the model writes them."
     args = lambda a: (a if isinstance(a, str) else json.dumps(a, ensure_ascii=False)) or "{}"
+    if self.named: return "".join(f"{self.opens[0]}{n}[ARGS]{args(a)}" for n, a in calls)
     objs = [f'{{"name": {json.dumps(n)}, "{self.args_key}": {args(a)}}}' for n, a in calls]
     return self.opens[0] + "[" + ", ".join(objs) + "]" if self.list_form else "; ".join(objs)
 
@@ -432,23 +457,28 @@ def render_calls(self: ToolFormat, calls) -> str:
 @patch
 def forcing(self: ToolFormat, chosen: list[dict], one: bool) -> dict:
     "The structural-tag format whose only outputs are calls of `chosen` (exactly one if `one`)."
-    tags = [{"type": "tag", "begin": f'{{"name": "{t["function"]["name"]}", "{self.args_key}": ',
-             "content": {"type": "json_schema", "json_schema": t["function"]["parameters"], "max_whitespace_cnt": 1}, "end": "}"}
-            for t in chosen]
-    calls = {"type": "tags_with_separator", "tags": tags, "separator": self.sep + " ", "at_least_one": True, "stop_after_first": one}
+    schema = lambda t: {"type": "json_schema", "json_schema": t["function"]["parameters"], "max_whitespace_cnt": 1}
+    if self.named: tags = [{"type": "tag", "begin": f'{self.opens[0]}{t["function"]["name"]}[ARGS]', "content": schema(t), "end": ""} for t in chosen]
+    else: tags = [{"type": "tag", "begin": f'{{"name": "{t["function"]["name"]}", "{self.args_key}": ', "content": schema(t), "end": "}"} for t in chosen]
+    calls = {"type": "tags_with_separator", "tags": tags, "separator": self.sep + " " if self.sep else "", "at_least_one": True, "stop_after_first": one}
     if not self.list_form: return calls
     return {"type": "sequence", "elements": [{"type": "const_string", "value": self.opens[0] + "["}, calls, {"type": "const_string", "value": "]"}]}
 
 # %% ../nbs/06b_tool_calls.ipynb
-TOOL_FORMATS = {"hermes": None, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL}
+TOOL_FORMATS = {"hermes": None, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "mistral_v11": MISTRAL_V11}
 
 def choose_tool_format(template) -> str:
     "The tool-call format a chat template was written for (`auto`); Hermes when it shows no tool support."
     t = template if isinstance(template, str) else json.dumps(template or "")   # a tokenizer may hold several named templates
     if TOOL_CALL_START in t: return "hermes"
     if "<|python_tag|>" in t or "ipython" in t: return "llama3_json"
-    if "[TOOL_CALLS]" in t: return "mistral"
+    if "[TOOL_CALLS]" in t: return "mistral_v11" if "[ARGS]" in t else "mistral"
     return "hermes"
+
+def resolve_tool_format(name: str, template) -> str:
+    "The format served for `--tool-call-parser name`: `auto` reads the template; `mistral` is the newer form when the template writes it."
+    if name == "auto": return choose_tool_format(template)
+    return "mistral_v11" if name == "mistral" and "[ARGS]" in (template if isinstance(template, str) else json.dumps(template or "")) else name
 
 def tool_stream_parser(fmt: str = "hermes", limit: int|None = None):
     "A new stream parser for `fmt` (Hermes' one call under `parallel_tool_calls: false` comes from its stop string)."

@@ -42,6 +42,11 @@ MISTRAL = """{{- bos_token }}{%- set ns = namespace(shown=false) %}{%- for messa
 {%- else %}{{ message.content }}
 {%- endif %}{%- endfor %}"""
 
+# Mistral's newer templates (Mistral Small 3.2, Devstral): each call as [TOOL_CALLS]name[ARGS]{...}
+MISTRAL_V11 = MISTRAL.replace(
+    """[TOOL_CALLS][{% for tc in message.tool_calls %}{% if tc.id|length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}, "id": "{{ tc.id }}"}{% if not loop.last %}, {% endif %}{% endfor %}]""",
+    """{% for tc in message.tool_calls %}[TOOL_CALLS]{{ tc.function.name }}[CALL_ID]{{ tc.id }}[ARGS]{{ tc.function.arguments | tojson }}{% endfor %}""")
+
 PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"enum": [1, 2, 3]}},
           "required": ["city", "days"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": PARAMS}},
@@ -56,7 +61,7 @@ def _served(template: str|None):
     return aeng, TestClient(build_app(aeng, routers=[responses_router]))
 
 
-@pytest.fixture(scope="module", params=[("llama3_json", LLAMA31), ("mistral", MISTRAL), ("hermes", None)], ids=lambda p: p[0])
+@pytest.fixture(scope="module", params=[("llama3_json", LLAMA31), ("mistral", MISTRAL), ("mistral_v11", MISTRAL_V11), ("hermes", None)], ids=lambda p: p[0])
 def served(request):
     fmt, template = request.param
     aeng, client = _served(template)
@@ -101,7 +106,7 @@ def test_named_call_forced_streamed_and_whole(served):
     call, = ch["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMS)
-    if fmt == "mistral": assert len(call["id"]) == 9 and call["id"].isalnum()
+    if fmt.startswith("mistral"): assert len(call["id"]) == 9 and call["id"].isalnum()
     chunks = _stream(client, body)
     streamed, = _calls_from_deltas(chunks)
     assert (streamed["name"], streamed["arguments"]) == (call["function"]["name"], call["function"]["arguments"])
@@ -143,6 +148,8 @@ def test_history_goes_through_the_models_template(served):
         assert ctx.template_has_tools and "[AVAILABLE_TOOLS]" in shown
         assert '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}, "id": "abc123XYZ"}]' in shown, shown
         assert "[TOOL_RESULTS]21 C[/TOOL_RESULTS]" in shown
+    elif fmt == "mistral_v11":
+        assert '[TOOL_CALLS]get_weather[CALL_ID]abc123XYZ[ARGS]{"city": "Paris", "days": 2}' in shown, shown
     else:
         assert "<tools>" in shown and "<tool_response>\n21 C\n</tool_response>" in shown
 
