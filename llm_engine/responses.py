@@ -14,13 +14,13 @@ from .protocol import APIError, bad_request, ChatCompletionRequest, check_suppor
 from .api import (_ctx, _params, chat_prompt_ids, prepare, start_all, until_done, ClientGone, EventStream, Cursor,
                             _chain, usage, output_error, tools_active, tool_limit)
 from fastcore.basics import patch
-from .tool_parsers import parse_tool_output, tool_stream_parser, ToolCall, StreamDelta, ReasoningStreamParser, split_reasoning, prompt_opens_think
+from .tool_parsers import parse_tool_output, tool_stream_parser, ToolCall, StreamDelta, ReasoningStreamParser, split_reasoning, prompt_opens_think, THINK_END
 
 # %% auto 0
 __all__ = ['OFF', 'router', 'ResponsesRequest', 'check_request', 'input_messages', 'chat_tools', 'chat_tool_choice',
            'chat_response_format', 'ResponseStore', 'store_of', 'chat_request', 'message_item', 'call_item',
-           'reasoning_item', 'output_items', 'usage_json', 'response_body', 'assistant_message', 'EventWriter',
-           'response_stream', 'create_response', 'get_response', 'delete_response']
+           'reasoning_item', 'output_items', 'thinking_tokens', 'usage_json', 'response_body', 'assistant_message',
+           'EventWriter', 'response_stream', 'create_response', 'get_response', 'delete_response']
 
 # %% ../nbs/10a_responses.ipynb
 class ResponsesRequest(BaseModel):
@@ -166,10 +166,20 @@ def output_items(req: ChatCompletionRequest, c, fmt: str = "hermes", reasoning: 
     text = p.content if p.tool_calls or c.finish_reason == "length" else text
     return head + ([message_item(text)] if text else []) + [call_item(t) for t in p.tool_calls]
 
-def usage_json(out) -> dict:
+def thinking_tokens(tok, token_ids) -> int:
+    "How many of an output's tokens are thinking: up to the one that completes `</think>` (all of them if none does)."
+    text = ""
+    for k, t in enumerate(token_ids):
+        text += tok.decode([t])
+        if THINK_END in text: return k + 1
+    return len(token_ids)
+
+def usage_json(out, tok=None) -> dict:
+    "Usage in this API's words; given `tok`, the output began with thinking, and its tokens are counted as `reasoning_tokens`."
     u = usage([out])
+    rt = thinking_tokens(tok, out.outputs[0].token_ids) if tok is not None else 0
     return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.prompt_tokens_details.cached_tokens},
-            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": u.total_tokens}
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": rt}, "total_tokens": u.total_tokens}
 
 # %% ../nbs/10a_responses.ipynb
 def response_body(ctx, req: ResponsesRequest, rid, created, items, status="completed", finish=None, out=None) -> dict:
@@ -181,7 +191,7 @@ def response_body(ctx, req: ResponsesRequest, rid, created, items, status="compl
             "top_p": req.top_p, "tools": req.tools or [], "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id, "store": req.store, "metadata": req.metadata or {},
             "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": None, "user": req.user,
-            "usage": usage_json(out) if out is not None else None}
+            "usage": usage_json(out, ctx.tok if any(it["type"] == "reasoning" for it in items) else None) if out is not None else None}
 
 def assistant_message(items) -> dict:
     "The chat message an output's items make, for the stored conversation."

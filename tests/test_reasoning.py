@@ -104,6 +104,7 @@ def test_a_template_that_opens_the_block():
         r = client.post("/v1/responses", json=body).json()
         assert [it["type"] for it in r["output"]] == ["reasoning"] and r["status"] == "incomplete"
         assert r["output"][0]["content"] == [{"type": "reasoning_text", "text": chat["reasoning_content"]}]
+        assert r["usage"]["output_tokens_details"]["reasoning_tokens"] == r["usage"]["output_tokens"] == 12   # cut while thinking
         with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as s:
             evs = [json.loads(l[6:]) for l in s.iter_lines() if l.startswith("data: ")]
         types = [e["type"] for e in evs]
@@ -124,3 +125,10 @@ def test_no_parser_without_think_in_the_template():
         r = client.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1, "enable_thinking": False})
         assert r.status_code == 400 and r.json()["error"]["param"] == "enable_thinking"
     finally: aeng.shutdown()
+
+
+def test_thinking_tokens_count_up_to_the_end_tag(qwen3):
+    from llm_engine.responses import thinking_tokens
+    tok = qwen3[0].engine.tokenizer
+    think, answer = tok("<think>\nab cd\n</think>", add_special_tokens=False)["input_ids"], tok("\n\nHi there", add_special_tokens=False)["input_ids"]
+    assert thinking_tokens(tok, think + answer) == len(think) and thinking_tokens(tok, think[:-2]) == len(think) - 2
