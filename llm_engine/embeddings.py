@@ -96,6 +96,8 @@ async def embed(aeng, rows: list[list[int]], pooling: str = "mean", gone=None, r
     finally:
         if not task.done(): task.cancel(); await asyncio.gather(task, return_exceptions=True)   # aborts what is in flight
     if bad := next((o for o in outs if o.error), None): raise output_error(bad)
+    if (cut := next((i for i, o in enumerate(outs) if o.embedding is None), None)) is not None:   # aborted by the server (shutting down)
+        raise APIError(503, f"input {cut} was aborted before its embedding was computed ({outs[cut].finish_reason})", "server_error")
     return torch.stack([o.embedding for o in outs])
 
 # %% ../nbs/10c_embeddings.ipynb

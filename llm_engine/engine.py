@@ -583,15 +583,17 @@ def _add_all(self: AsyncLLMEngine, items: list, params, priority, streams: dict)
 async def encode(self: AsyncLLMEngine, prompts: list, params: PoolingParams|None = None, request_id=None,
                  priority=0) -> list[PoolingRequestOutput]:
     "Pool every prompt (strings or token-id lists), one request each, batched with everything else; outputs in order."
-    loop, base = asyncio.get_running_loop(), request_id or uuid.uuid4().hex
-    streams = {f"{base}-{i}": _Stream(loop, asyncio.Event()) for i in range(len(prompts))}
+    loop, base, ready = asyncio.get_running_loop(), request_id or uuid.uuid4().hex, asyncio.Event()
+    # one event for all: each wake reads every stream with news, so no output waits unread long enough to count as a stall
+    streams = {f"{base}-{i}": _Stream(loop, ready) for i in range(len(prompts))}
     adding, done = asyncio.ensure_future(asyncio.to_thread(self._add_all, list(zip(streams, prompts)), params or PoolingParams(),
                                                            priority, streams)), {}
     try:
         await asyncio.shield(adding); self._wake.set()
-        for rid, s in streams.items():
-            while rid not in done:
-                await s.ready.wait(); s.ready.clear()
+        while len(done) < len(streams):
+            await ready.wait(); ready.clear()
+            for rid, s in streams.items():
+                if rid in done: continue
                 out, resume = s.take()
                 if resume: self._resumes.append(rid); self._wake.set()
                 if out is not None and out.finished: done[rid] = out
