@@ -70,7 +70,8 @@ def check_pooling(engine):
 def embed_rows(engine, rows: list[list[int]], pooling: str = "mean") -> torch.Tensor:
     "Embeddings `[rows, hidden]` (fp32, CPU) on an engine nobody else steps (offline, tests): pooling requests, stepped to the end."
     check_pooling(engine)
-    ids, done = [f"embed-{i}" for i in range(len(rows))], {}
+    base = uuid.uuid4().hex[:12]                  # ids no request of the caller's can already hold
+    ids, done = [f"embed-{base}-{i}" for i in range(len(rows))], {}
     try:
         for rid, r in zip(ids, rows): engine.add_request(rid, r, PoolingParams(pooling))
         while len(done) < len(ids):
