@@ -68,7 +68,7 @@ def _attend(q, k, v, mask, scale, softcap=None):
     return torch.einsum("bkgtl,blkd->btkgd", p, v.float()).reshape(B, Tq, nh, hd).to(q.dtype)
 
 def window_attention(q, k_cache, v_cache, md: AttentionMetadata, scale, window=None, softcap=None) -> torch.Tensor:
-    "`paged_attention` with a sliding window and soft-capped scores, in plain torch ops (any device)."
+    "`paged_attention` with a sliding window and soft-capped scores: prefill rows in plain torch ops (any device), decode rows by the C++ kernel where it serves."
     out, start, dev = torch.empty_like(q), 0, q.device
     for i, (ql, cl) in enumerate(zip(md.prefill_query_lens, md.prefill_context_lens)):
         lo = max(0, cl - ql - window + 1) if window else 0      # keys no query of this chunk can see are not read
@@ -76,7 +76,10 @@ def window_attention(q, k_cache, v_cache, md: AttentionMetadata, scale, window=N
         mask = _visible(torch.arange(cl - ql, cl, device=dev), torch.arange(lo, cl, device=dev), window)
         out[start:start + ql] = _attend(q[None, start:start + ql], k[None], v[None], mask[None], scale, softcap)[0]
         start += ql
-    if md.num_decodes:
+    if md.num_decodes and md.decode_backend == "cpp" and q.device.type == "cpu":     # the kernel reads the window's blocks only (03)
+        torch.ops.llm_engine.paged_decode(out[start:], q[start:].contiguous(), k_cache, v_cache, md.decode_block_tables,
+                                          md.decode_context_lens, scale, window or 0, softcap or 0.0)
+    elif md.num_decodes:
         k, v = (c[md.decode_block_tables].flatten(1, 2) for c in (k_cache, v_cache))    # [D, L, kv_heads, hd]
         mask = _visible(md.decode_context_lens - 1, torch.arange(k.shape[1], device=dev), window)
         out[start:] = _attend(q[start:, None], k, v, mask[:, None], scale, softcap)[:, 0]
@@ -440,8 +443,8 @@ def _fast_paths(m: Llama):
     "Install 05b's fused decode step where the model is plain Llama; otherwise say once which layers take the torch path."
     mc = m.config
     if any(mc.layer_window(i) for i in range(mc.num_layers)) or mc.attn_logit_softcapping:
-        warnings.warn(f"llm_engine: {mc.model_type}: layers with a sliding window or soft-capped scores attend through the torch "
-                      "path (window_attention) once a context outgrows the window: the paged kernels have neither")
+        warnings.warn(f"llm_engine: {mc.model_type}: layers with a sliding window or soft-capped scores prefill through the torch "
+                      "path (window_attention) once a context outgrows the window; their decode rows take the C++ kernel's window and cap")
     if not mc.llama_differences():
         from llm_engine.precision import fuse_decode     # notebook 05b: bf16 or int8 decode steps with few Python calls
         fuse_decode(m)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from pathlib import Path
 from torch import nn
 import llm_engine
-from .attention import AttentionMetadata, build_cpu_kernel, load_decode_kernel
+from .attention import AttentionMetadata, build_cpu_kernel, load_decode_kernel, paged_attention
 from .config import CPU_ISA
 from .rope import RotaryEmbedding
 
@@ -267,7 +267,7 @@ def replace_linears(model: nn.Module, make) -> nn.Module:
 
 # %% ../nbs/05b_precision.ipynb
 class FusedDecode:
-    "A decode step with few Python calls: per layer one C++ call (a few rows) or nine (more rows)."
+    "A step with few Python calls: per layer one C++ call (a few decode rows) or nine (more rows, prefill chunks included)."
     def __init__(self, model, one_call=True):
         a, ln = model.layers[0].self_attn, model.layers[0].input_layernorm
         self.nh, self.nkv, self.scale, self.eps, self.none = a.nh, a.nkv, a.scale, ln.eps, torch.empty(0)
@@ -292,11 +292,11 @@ class FusedDecode:
         # module.forward, not module(): no hook machinery per call
         self.layers = [(ln1, ln2, *[q.forward for q in self._lins(l)]) for ln1, ln2, l in zip(*self.columns[:2], model.layers)]
     def applies(self, md, x) -> bool:
-        return (self.attention and md.num_prefill_tokens == 0 and md.decode_backend == "cpp" and md.attention is None
+        return (self.attention and md.attention is None and (md.num_decodes == 0 or md.decode_backend == "cpp")
                 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16))
     def __call__(self, x, cos_sin, md, kv_caches):
         ops, (cos, sin), residual = torch.ops.llm_engine, (t.contiguous() for t in cos_sin), self.none
-        if x.shape[0] <= self.max_rows:
+        if x.shape[0] <= self.max_rows and md.num_prefill_tokens == 0:
             ln1, ln2, *w = self.columns
             return ops.decode_layers(x, residual, ln1, ln2, self.eps, *w, cos, sin, self.nh, self.nkv, [k for k, _ in kv_caches],
                                      [v for _, v in kv_caches], md.slot_mapping, md.decode_block_tables, md.decode_context_lens, self.scale)
@@ -304,8 +304,10 @@ class FusedDecode:
         for (ln1, ln2, qkv, o, gate_up, down), (kc, vc) in zip(self.layers, kv_caches):
             h, residual = ops.add_rms_norm(x, residual, ln1, self.eps)
             q = ops.rope_store(qkv(h), cos, sin, self.nh, self.nkv, kc, vc, md.slot_mapping)
-            att = torch.empty_like(q)
-            ops.paged_decode(att, q, kc, vc, md.decode_block_tables, md.decode_context_lens, self.scale)
+            if md.num_prefill_tokens: att = paged_attention(q, kc, vc, md, self.scale)    # notebook 03: prefill rows, then decodes
+            else:
+                att = torch.empty_like(q)
+                ops.paged_decode(att, q, kc, vc, md.decode_block_tables, md.decode_context_lens, self.scale)
             h, residual = ops.add_rms_norm(o(att.view(M, -1)), residual, ln2, self.eps)
             x = down(ops.silu_mul(gate_up(h)))
         return x, residual

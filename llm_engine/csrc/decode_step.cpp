@@ -461,8 +461,8 @@ static std::tuple<at::Tensor, at::Tensor> decode_layer(
   if (T == at::kFloat) store_qkv(qkvp, q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slp, M, Q, KV);
   else store_qkv(qkvp, q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), slp, M, Q, KV);
   static auto decode = c10::Dispatcher::singleton().findSchemaOrThrow("llm_engine::paged_decode", "")
-      .typed<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
-  decode.call(att, q, k_cache, v_cache, block_tables, context_lens, scale);
+      .typed<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, double)>();
+  decode.call(att, q, k_cache, v_cache, block_tables, context_lens, scale, 0, 0.0);
   const at::Tensor attf = att.to(at::kFloat).contiguous();
   mm(attf.data_ptr<float>(), M, Q, wo, so, y.data_ptr<float>());
   for (int64_t m = 0; m < M; ++m) add_rms_norm_row(rp + m * H, y.data_ptr<float>() + m * H, rp + m * H, w2, hp + m * H, H, (float)eps);

@@ -84,13 +84,16 @@ static void head_runs(int64_t h0, int64_t h1, int64_t G, F&& fn) {
 #endif
 
 // one sequence's heads h0..h1-1: scores, softmax, weighted values. T: the cache's element type (float or BFloat16;
-// bf16 is widened to fp32 in registers, so the arithmetic is fp32 either way). DC: head_dim known at compile time (0: use D)
+// bf16 is widened to fp32 in registers, so the arithmetic is fp32 either way). DC: head_dim known at compile time (0: use D).
+// With a sliding window (W > 0) only the last W keys count, and only the blocks that hold them are read; with a
+// soft cap (cap > 0) each score s becomes cap * tanh(s / cap) before the softmax (Gemma 2).
 template <typename T, int DC>
 static void decode_one(T* ob_t, const T* qb_t, const T* kp, const T* vp, const int64_t* table, int64_t L,
                        int64_t H, int64_t G, int64_t Dr, int64_t bs, int64_t kb, int64_t kt, int64_t kh,
                        int64_t vb, int64_t vt, int64_t vh, float sc, std::vector<float>& s, std::vector<float>& qo,
-                       int64_t h0, int64_t h1) {
+                       int64_t h0, int64_t h1, int64_t W, float cap) {
   const int64_t D = DC ? DC : Dr, nblk = (L + bs - 1) / bs;
+  const int64_t L0 = W > 0 ? std::max<int64_t>(0, L - W) : 0, i0 = L0 / bs, ls = i0 * bs;   // the first key seen, its block
   // blocks lie anywhere in the pool, which defeats the hardware prefetcher: ask for the next ones ourselves
   auto prefetch = [&](const T* base, int64_t stride, int64_t i) {
     if (i >= nblk) return;
@@ -100,8 +103,8 @@ static void decode_one(T* ob_t, const T* qb_t, const T* kp, const T* vp, const i
   s.resize(H * L); qo.resize(2 * H * D);
   float* qb = qo.data(); float* ob = qb + H * D;    // the query and the output row in fp32
   for (int64_t i = h0 * D; i < h1 * D; ++i) qb[i] = static_cast<float>(qb_t[i]);
-  prefetch(kp, kb, 0); prefetch(kp, kb, 1);
-  for (int64_t i = 0; i < nblk; ++i) {            // scores: every head against each key row of block i
+  prefetch(kp, kb, i0); prefetch(kp, kb, i0 + 1);
+  for (int64_t i = i0; i < nblk; ++i) {           // scores: every head against each key row of block i
     prefetch(kp, kb, i + 2);
     const T* blk = kp + table[i] * kb;
     const int64_t l0 = i * bs, n = std::min(bs, L - l0);
@@ -137,17 +140,19 @@ static void decode_one(T* ob_t, const T* qb_t, const T* kp, const T* vp, const i
       }
     }
   }
-  for (int64_t h = h0; h < h1; ++h) {            // softmax per head
-    float* sh = s.data() + h * L; float m = sh[0], sum = 0.f;
-    for (int64_t l = 1; l < L; ++l) m = std::max(m, sh[l]);
+  for (int64_t h = h0; h < h1; ++h) {            // softmax per head, over the keys seen (the rest of their first block: 0)
+    float* sh = s.data() + h * L; float m = -INFINITY, sum = 0.f;
+    if (cap > 0.f) for (int64_t l = L0; l < L; ++l) sh[l] = cap * std::tanh(sh[l] / cap);
+    for (int64_t l = L0; l < L; ++l) m = std::max(m, sh[l]);
+    for (int64_t l = ls; l < L0; ++l) sh[l] = 0.f;
     #pragma omp simd reduction(+:sum)
-    for (int64_t l = 0; l < L; ++l) { sh[l] = std::exp(sh[l] - m); sum += sh[l]; }
+    for (int64_t l = L0; l < L; ++l) { sh[l] = std::exp(sh[l] - m); sum += sh[l]; }
     const float inv = 1.f / sum;
-    for (int64_t l = 0; l < L; ++l) sh[l] *= inv;
+    for (int64_t l = L0; l < L; ++l) sh[l] *= inv;
   }
   std::fill(ob + h0 * D, ob + h1 * D, 0.f);      // weighted sum of the value rows, block by block
-  prefetch(vp, vb, 0); prefetch(vp, vb, 1);
-  for (int64_t i = 0; i < nblk; ++i) {
+  prefetch(vp, vb, i0); prefetch(vp, vb, i0 + 1);
+  for (int64_t i = i0; i < nblk; ++i) {
     prefetch(vp, vb, i + 2);
     const T* blk = vp + table[i] * vb;
     const int64_t l0 = i * bs, n = std::min(bs, L - l0);
@@ -177,7 +182,7 @@ static void decode_one(T* ob_t, const T* qb_t, const T* kp, const T* vp, const i
 
 template <typename T>
 static void decode_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const int64_t* btp, const int64_t* clp, int64_t W, float sc) {
+                       const int64_t* btp, const int64_t* clp, int64_t W, float sc, int64_t win, float cap) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), bs = k_cache.size(1), G = H / k_cache.size(2);
   const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
   const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
@@ -192,7 +197,7 @@ static void decode_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t b = u / P, part = u % P;
         one(op + b * H * D, qp + b * H * D, kp, vp, btp + b * W, clp[b], H, G, D, bs, kb, kt, kh, vb, vt, vh, sc, s, qo,
-            part * H / P, (part + 1) * H / P);
+            part * H / P, (part + 1) * H / P, win, cap);
       }
     });
     return;
@@ -201,13 +206,14 @@ static void decode_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
     std::vector<float> s, qo;
     for (int64_t tid = t0; tid < t1; ++tid)
       for (int64_t b = tid; b < B; b += NT)          // round robin, as rows arrive sorted by length
-        one(op + b * H * D, qp + b * H * D, kp, vp, btp + b * W, clp[b], H, G, D, bs, kb, kt, kh, vb, vt, vh, sc, s, qo, 0, H);
+        one(op + b * H * D, qp + b * H * D, kp, vp, btp + b * W, clp[b], H, G, D, bs, kb, kt, kh, vb, vt, vh, sc, s, qo, 0, H, win, cap);
   });
 }
 
 // out[b, h] = softmax(scale * q[b, h] . K_b) V_b, where K_b, V_b are read in place through block_tables[b]
+// (the last `window` keys only where window > 0; scores soft-capped where softcap > 0)
 static void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                         const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                         const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && q.sizes() == out.sizes(), "q, out: contiguous [B, H, D]");
   const auto st = q.scalar_type();
   TORCH_CHECK((st == at::kFloat || st == at::kBFloat16) && k_cache.scalar_type() == st && v_cache.scalar_type() == st &&
@@ -219,11 +225,13 @@ static void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& 
   auto bt = block_tables.contiguous(); auto cl = context_lens.contiguous();
   const int64_t *btp = bt.data_ptr<int64_t>(), *clp = cl.data_ptr<int64_t>(), W = bt.size(1);
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(clp[b] >= 1 && clp[b] <= W * bs, "context length outside its block table");
-  if (st == at::kFloat) decode_all<float>(out, q, k_cache, v_cache, btp, clp, W, (float)scale);
-  else decode_all<at::BFloat16>(out, q, k_cache, v_cache, btp, clp, W, (float)scale);
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap: 0 (none) or positive");
+  if (st == at::kFloat) decode_all<float>(out, q, k_cache, v_cache, btp, clp, W, (float)scale, window, (float)softcap);
+  else decode_all<at::BFloat16>(out, q, k_cache, v_cache, btp, clp, W, (float)scale, window, (float)softcap);
 }
 
 TORCH_LIBRARY(llm_engine, m) {
-  m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale) -> ()");
+  m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale, "
+        "int window=0, float softcap=0.0) -> ()");
 }
 TORCH_LIBRARY_IMPL(llm_engine, CPU, m) { m.impl("paged_decode", paged_decode); }
