@@ -877,6 +877,9 @@ def serve(server: ServerConfig|None = None, engine=None, routers=(), hooks=(), *
     print(f"llm_engine: serving {app.state.ctx.name} on http://{s.host}:{s.port}/v1 ({bm.num_blocks} KV blocks of {bm.block_size} tokens)\n"
           f"llm_engine: open-file limit {nofile}: {fd.held} held, {fd.reserve} in reserve, up to {fd.cap} connections (idle ones closed "
           f"past it, 503 past {limit}); " + (f"a request's head must come within {fd.head_timeout:g} s" if fd.head_timeout else "no head timeout"), flush=True)
+    ctx = app.state.ctx
+    print(f"llm_engine: tool calls in the {ctx.tool_call_parser} format, reasoning parser {ctx.reasoning_parser}, model sampling defaults "
+          f"{ctx.generation_defaults or 'none'} (chapter 6b, 9a)", flush=True)
     _Server(uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level, timeout_graceful_shutdown=10, loop=s.loop,
                            limit_concurrency=limit, timeout_keep_alive=s.timeout_keep_alive, http=guarded_protocol(fd)), fd).run(sockets=[sock])
 
