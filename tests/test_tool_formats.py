@@ -162,6 +162,11 @@ def test_responses_api_uses_the_format(served):
     item, = [it for it in r["output"] if it["type"] == "function_call"]
     assert item["name"] == "get_weather"
     jsonschema.validate(json.loads(item["arguments"]), PARAMS)
+    with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as s:
+        evs = [json.loads(l[6:]) for l in s.iter_lines() if l.startswith("data: ")]
+    done = [e["item"] for e in evs if e["type"] == "response.output_item.done"]
+    assert [(d["type"], d["name"], d["arguments"]) for d in done] == [("function_call", "get_weather", item["arguments"])]
+    assert "".join(e["delta"] for e in evs if e["type"] == "response.function_call_arguments.delta") == item["arguments"]
 
 
 def test_explicit_parser_and_bad_name():
