@@ -182,13 +182,17 @@ def usage_json(out, tok=None) -> dict:
             "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": rt}, "total_tokens": u.total_tokens}
 
 # %% ../nbs/10a_responses.ipynb
+def _used(ctx, req, k):
+    "The value a sampling field had: the request's, else the model's generation_config default (chapter 9a), else the API's."
+    return getattr(req, k) if k in req.model_fields_set else ctx.generation_defaults.get(k, getattr(req, k))
+
 def response_body(ctx, req: ResponsesRequest, rid, created, items, status="completed", finish=None, out=None) -> dict:
     "The response object (the same shape whole, in `response.created` and in `response.completed`)."
     if status == "completed" and finish == "length": status = "incomplete"
     return {"id": rid, "object": "response", "created_at": created, "status": status, "model": ctx.name, "output": items,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None, "error": None,
-            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "temperature": req.temperature,
-            "top_p": req.top_p, "tools": req.tools or [], "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "temperature": _used(ctx, req, "temperature"),
+            "top_p": _used(ctx, req, "top_p"), "tools": req.tools or [], "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id, "store": req.store, "metadata": req.metadata or {},
             "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": None, "user": req.user,
             "usage": usage_json(out, ctx.tok if any(it["type"] == "reasoning" for it in items) else None) if out is not None else None}

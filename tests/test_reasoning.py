@@ -132,3 +132,4 @@ def test_thinking_tokens_count_up_to_the_end_tag(qwen3):
     tok = qwen3[0].engine.tokenizer
     think, answer = tok("<think>\nab cd\n</think>", add_special_tokens=False)["input_ids"], tok("\n\nHi there", add_special_tokens=False)["input_ids"]
     assert thinking_tokens(tok, think + answer) == len(think) and thinking_tokens(tok, think[:-2]) == len(think) - 2
+
