@@ -10,7 +10,7 @@ from fastcore.basics import patch
 from dataclasses import dataclass, field
 
 # %% auto 0
-__all__ = ['Block', 'chain_hash', 'BlockCopy', 'BlockOps', 'NoFreeBlocks', 'BlockManager', 'plot_block_map']
+__all__ = ['Block', 'chain_hash', 'BlockCopy', 'BlockOps', 'NoFreeBlocks', 'BlockManager', 'freeable_window', 'plot_block_map']
 
 # %% ../nbs/04_block_manager.ipynb
 @dataclass
@@ -50,13 +50,14 @@ class NoFreeBlocks(RuntimeError): "The KV cache has no free block left; the sche
 # %% ../nbs/04_block_manager.ipynb
 class BlockManager:
     "Owns the KV cache's blocks: free lists, reference counts, block tables, prefix cache and CPU swap. No tensors."
-    def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True):
+    def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True, sliding_window=None):
         self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
-        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_prefix_caching, self.sliding_window = enable_prefix_caching, sliding_window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids = OrderedDict.fromkeys(range(num_blocks))   # LRU order: reused from the front
         self.cached: dict[bytes, int] = {}                     # hash -> block id
-        self.tables: dict = {}                                 # seq id -> [block id]
+        self.tables: dict = {}                                 # seq id -> [block id] of its live blocks
+        self.dropped: dict = {}                                # seq id -> leading blocks freed behind its window
         self.num_hashed: dict = {}                             # seq id -> leading blocks already hashed
         self.cpu_free = list(range(num_cpu_blocks))
         self.cpu_tables: dict = {}
@@ -70,7 +71,10 @@ class BlockManager:
     @property
     def prefix_hit_rate(self): return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
     def blocks_for(self, num_tokens): return -(-num_tokens // self.block_size)
-    def block_table(self, seq_id): return self.tables[seq_id]
+    def block_table(self, seq_id):
+        "Physical block of each logical block; one freed behind the window reads as block 0 (any real block: it is never read)."
+        d = self.dropped.get(seq_id, 0)
+        return [0] * d + self.tables[seq_id] if d else self.tables[seq_id]
     def take_ops(self) -> BlockOps:
         "The copies and swaps decided since the last call (the scheduler puts them in its output)."
         ops, self.ops = self.ops, BlockOps()
@@ -134,18 +138,20 @@ def allocate(self: BlockManager, seq_id, token_ids, use_cache=True) -> int:
 def free(self: BlockManager, seq_id):
     "Return a sequence's blocks; computed full blocks stay findable in the prefix cache until reused."
     for bid in reversed(self.tables.pop(seq_id)): self._release(bid)
-    self.num_hashed.pop(seq_id, None)
+    self.num_hashed.pop(seq_id, None); self.dropped.pop(seq_id, None)
 
 # %% ../nbs/04_block_manager.ipynb
 @patch
 def _shared_from(self: BlockManager, seq_id, num_computed):
-    t = self.tables[seq_id]
-    return [i for i in range(num_computed // self.block_size, len(t)) if self.blocks[t[i]].ref_count > 1]
+    "Indices into the live table of the shared blocks that positions from `num_computed` on would write."
+    t, d = self.tables[seq_id], self.dropped.get(seq_id, 0)
+    return [j for j in range(max(0, num_computed // self.block_size - d), len(t)) if self.blocks[t[j]].ref_count > 1]
 
 @patch
 def append_need(self: BlockManager, seq_id, num_computed, num_tokens) -> int:
     "Free blocks `seq_id` needs to grow to `num_tokens` slots: new blocks plus copy-on-write copies."
-    return max(0, self.blocks_for(num_tokens) - len(self.tables[seq_id])) + len(self._shared_from(seq_id, num_computed))
+    live = self.dropped.get(seq_id, 0) + len(self.tables[seq_id])
+    return max(0, self.blocks_for(num_tokens) - live) + len(self._shared_from(seq_id, num_computed))
 
 @patch
 def can_append(self: BlockManager, seq_id, num_computed, num_tokens) -> bool:
@@ -157,23 +163,24 @@ def append_slots(self: BlockManager, seq_id, num_computed, num_tokens):
     "Make slots `num_computed..num_tokens-1` of `seq_id` writable: copy shared blocks, add blocks at boundaries."
     if not self.can_append(seq_id, num_computed, num_tokens):
         raise NoFreeBlocks(f"sequence {seq_id} cannot grow to {num_tokens} tokens")
-    t = self.tables[seq_id]
-    for i in self._shared_from(seq_id, num_computed):
+    t, d = self.tables[seq_id], self.dropped.get(seq_id, 0)
+    for j in self._shared_from(seq_id, num_computed):
         new = self._take()
-        self.ops.copy.append(BlockCopy(t[i], new))   # the runner copies the K/V before the forward
-        self._release(t[i]); t[i] = new
-        self.num_hashed[seq_id] = min(self.num_hashed[seq_id], i)
-    t += [self._take() for _ in range(self.blocks_for(num_tokens) - len(t))]
+        self.ops.copy.append(BlockCopy(t[j], new))   # the runner copies the K/V before the forward
+        self._release(t[j]); t[j] = new
+        self.num_hashed[seq_id] = min(self.num_hashed[seq_id], j + d)
+    t += [self._take() for _ in range(self.blocks_for(num_tokens) - d - len(t))]
 
 @patch
 def cache_full_blocks(self: BlockManager, seq_id, token_ids, num_computed):
     "Register the sequence's full, computed blocks in the prefix cache (called after each step)."
     if not self.enable_prefix_caching: return
-    t, bs, start = self.tables[seq_id], self.block_size, self.num_hashed[seq_id]
-    prev = self.blocks[t[start - 1]] if start else None
+    t, bs, start, d = self.tables[seq_id], self.block_size, self.num_hashed[seq_id], self.dropped.get(seq_id, 0)
+    if start < 0 or (start and start - 1 < d): self.num_hashed[seq_id] = -1; return   # the chain's last hash is gone: stop
+    prev = self.blocks[t[start - 1 - d]] if start else None
     h, parent = (prev.hash, prev.content_id) if prev else (None, -1)
     for i in range(start, num_computed // bs):
-        b, toks = self.blocks[t[i]], tuple(token_ids[i*bs:(i+1)*bs])
+        b, toks = self.blocks[t[i - d]], tuple(token_ids[i*bs:(i+1)*bs])
         h = chain_hash(toks, h)
         b.hash, b.token_ids, b.parent, b.content_id = h, toks, parent, next(self._content_ids)
         parent = b.content_id
@@ -186,6 +193,7 @@ def fork(self: BlockManager, parent_id, child_id):
     t = list(self.tables[parent_id])
     for bid in t: self.blocks[bid].ref_count += 1
     self.tables[child_id], self.num_hashed[child_id] = t, self.num_hashed[parent_id]
+    if d := self.dropped.get(parent_id): self.dropped[child_id] = d
 
 # %% ../nbs/04_block_manager.ipynb
 @patch
@@ -200,8 +208,10 @@ def swap_out(self: BlockManager, seq_id):
     t = self.tables[seq_id]
     cpu = [self.cpu_free.pop() for _ in t]
     self.ops.swap_out += [BlockCopy(d, c) for d, c in zip(t, cpu)]
+    d = self.dropped.get(seq_id)
     self.free(seq_id)
     self.cpu_tables[seq_id] = cpu
+    if d: self.dropped[seq_id] = d      # only live blocks travel; the placeholders come back with them
 
 @patch
 def swap_in(self: BlockManager, seq_id):
@@ -211,12 +221,33 @@ def swap_in(self: BlockManager, seq_id):
     t = [self._take() for _ in cpu]
     self.ops.swap_in += [BlockCopy(c, d) for c, d in zip(cpu, t)]
     self.cpu_free += cpu
-    self.tables[seq_id], self.num_hashed[seq_id] = t, 0
+    # fresh blocks are hashed again from the start; with blocks gone behind the window the chain cannot be rebuilt
+    self.tables[seq_id], self.num_hashed[seq_id] = t, -1 if self.dropped.get(seq_id) else 0
 
 @patch
 def drop_swapped(self: BlockManager, seq_id):
     "Forget a swapped sequence (aborted while on CPU)."
-    self.cpu_free += self.cpu_tables.pop(seq_id)
+    self.cpu_free += self.cpu_tables.pop(seq_id); self.dropped.pop(seq_id, None)
+
+# %% ../nbs/04_block_manager.ipynb
+def freeable_window(mc) -> int|None:
+    "The sliding window of a model whose every layer has the same one (blocks behind it can be freed), else None."
+    ws = {mc.layer_window(i) for i in range(mc.num_layers)}
+    return ws.pop() if len(ws) == 1 and None not in ws else None
+
+@patch
+def free_outside_window(self: BlockManager, seq_id, num_computed) -> int:
+    "Return to the pool the blocks of `seq_id` that no query from position `num_computed` on can see; how many."
+    if not self.sliding_window or seq_id not in self.tables: return 0
+    first = max(0, num_computed - self.sliding_window + 1) // self.block_size   # block of the first key still visible
+    h = self.num_hashed[seq_id]
+    if self.enable_prefix_caching and h >= 0: first = min(first, max(0, h - 1))  # the chain's tail names the next parent
+    d, t = self.dropped.get(seq_id, 0), self.tables[seq_id]
+    n = min(first - d, len(t) - 1)
+    if n <= 0: return 0
+    for bid in reversed(t[:n]): self._release(bid)
+    del t[:n]; self.dropped[seq_id] = d + n
+    return n
 
 # %% ../nbs/04_block_manager.ipynb
 @patch
@@ -229,6 +260,7 @@ def check_invariants(self: BlockManager):
         assert b.ref_count == holders[b.block_id], f"block {b.block_id}: ref_count {b.ref_count} but held by {holders[b.block_id]} tables"
         assert (b.ref_count == 0) == (b.block_id in self.free_ids), f"block {b.block_id}: free-list state disagrees with ref_count {b.ref_count}"
     for h, bid in self.cached.items(): assert self.blocks[bid].hash == h, f"cache entry for block {bid} is stale"
+    assert set(self.dropped) <= set(self.tables) | set(self.cpu_tables), "freed-window record of an unknown sequence"
     cpu_used = [c for t in self.cpu_tables.values() for c in t]
     assert sorted(cpu_used + self.cpu_free) == list(range(self.num_cpu_blocks)), "CPU blocks lost or doubled"
 

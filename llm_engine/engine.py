@@ -12,7 +12,7 @@ from fastcore.basics import patch
 from .config import EngineConfig, resolve_device, resolve_dtype
 from .model import load_model, load_tokenizer
 from .runner import ModelRunner
-from .block_manager import BlockManager
+from .block_manager import BlockManager, freeable_window
 from .sampling import SamplingParams, SampleOutput, sample
 from .outputs import (CompletionOutput, RequestMetrics, RequestOutput, PoolingRequestOutput, IncrementalDetokenizer,
                                  append_token, completion_output)
@@ -81,7 +81,9 @@ class LLMEngine:
         num_blocks = cfg.cache.resolve_num_blocks(mc, nbytes)
         num_cpu = cfg.cache.resolve_num_cpu_blocks(mc, nbytes)
         self.runner = ModelRunner(self.model, num_blocks, cfg.cache.block_size, num_cpu, attention_backend=cfg.attention_backend)
-        self.block_manager = BlockManager(num_blocks, cfg.cache.block_size, num_cpu, cfg.cache.enable_prefix_caching)
+        # blocks behind a window that every layer has go back to the pool as a sequence runs (chapter 4)
+        self.block_manager = BlockManager(num_blocks, cfg.cache.block_size, num_cpu, cfg.cache.enable_prefix_caching,
+                                          freeable_window(mc))
         self.scheduler = Scheduler(cfg.scheduler, self.block_manager)
         self.max_model_len = min(cfg.scheduler.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.eos_ids = set(mc.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})

@@ -132,7 +132,7 @@ class Scheduler:
 def _preempt(self: Scheduler, out: SchedulerOutput, seq: Sequence, why: str):
     self.num_preemptions += 1; out.preempted.append(seq)
     if self.bm.num_cpu_blocks and self.bm.can_swap_out(seq.seq_id):
-        n = len(self.bm.block_table(seq.seq_id))
+        n = len(self.bm.tables[seq.seq_id])     # live blocks: those freed behind a sliding window stay behind
         self.bm.swap_out(seq.seq_id); seq.status = SeqStatus.SWAPPED; self.swapped.append(seq); self.num_swaps += 1
         self._decide(out, seq, "swapped_out", f"preempted: {why}; its {n} blocks swapped out to CPU")
     else:
@@ -296,6 +296,7 @@ def update(self: Scheduler, out: SchedulerOutput) -> list[Sequence]:
         if seq.is_finished: continue
         seq.num_computed += len(r.token_ids) - len(r.spec_token_ids)   # drafts count once accepted (notebook 08b)
         self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
+        self.bm.free_outside_window(seq.seq_id, seq.num_computed)     # hashed first: a freed full block stays findable
         if seq.pooling and seq.remaining == 0: self.finish(seq, "pooled"); pooled.append(seq)   # nothing will read its K/V
     return pooled
 

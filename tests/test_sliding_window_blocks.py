@@ -1,0 +1,72 @@
+"A model whose every layer has a sliding window (tiny Mistral, window 8) frees the blocks behind it while sequences run: block accounting and greedy ids against transformers."
+import math
+import pytest, torch
+from llm_engine.testing import make_tiny_family
+from llm_engine.engine import LLM
+from llm_engine.sampling import SamplingParams
+from llm_engine.model import load_tokenizer
+
+WINDOW, BS, NEW = 8, 4, 40
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    return", "Once upon a time, in a land far away, there lived a"]
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    d = make_tiny_family(tmp_path_factory.mktemp("swa") / "mistral", "mistral", sliding_window=WINDOW)
+    ids = [load_tokenizer(d)(p)["input_ids"] for p in PROMPTS]
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    want = [hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+            for p in ids]
+    assert len(set(map(tuple, want))) == 3 and max(len(set(w)) for w in want) > 4    # not a degenerate model
+    return d, ids, want
+
+def watched(llm):
+    "Record, after every step, the most live blocks a sequence past its prompt holds and how many blocks were freed behind windows."
+    sch, bm, seen = llm.engine.scheduler, llm.engine.block_manager, dict(peak=0, freed=0)
+    update, free_out = sch.update, bm.free_outside_window
+    def counting(seq_id, num_computed):
+        n = free_out(seq_id, num_computed); seen["freed"] += n; return n
+    def update_and_look(out):
+        r = update(out)
+        for s in sch.running:
+            if s.num_computed > s.num_prompt_tokens: seen["peak"] = max(seen["peak"], len(bm.tables[s.seq_id]))
+        bm.check_invariants()
+        return r
+    sch.update, bm.free_outside_window = update_and_look, counting
+    return seen
+
+def ours(llm, ids): return [o.outputs[0].token_ids for o in llm.generate(ids, GREEDY, use_tqdm=False)]
+
+@pytest.mark.parametrize("caching,backend", [(True, "auto"), (False, "auto"), (True, "torch")])
+def test_window_frees_blocks_and_matches_transformers(mistral, caching, backend):
+    "The C++ decode kernel and the torch path (which gathers the placeholders, block 0, and masks them) both give transformers' ids."
+    d, ids, want = mistral
+    llm = LLM(model=str(d), dtype="float32", block_size=BS, enable_prefix_caching=caching, attention_backend=backend)
+    bm = llm.engine.block_manager
+    assert bm.sliding_window == WINDOW
+    seen = watched(llm)
+    assert ours(llm, ids) == want                             # batched
+    assert [ours(llm, [p])[0] for p in ids] == want           # alone
+    assert seen["freed"] > 0 and 0 < seen["peak"] <= math.ceil(WINDOW / BS) + 2, seen
+    assert bm.num_free_blocks == bm.num_blocks and not bm.tables and not bm.dropped
+
+@pytest.mark.parametrize("swap_space", [0, 2**20])
+def test_preemption_with_freed_blocks(mistral, swap_space):
+    "14 blocks of 4 tokens: one sequence (about 55 tokens) fits, six at once hold about 4 each and preempt (by recompute, or by swap of their live blocks only), and still match."
+    d, ids, want = mistral
+    llm = LLM(model=str(d), dtype="float32", block_size=BS, num_blocks=14, swap_space=swap_space)
+    seen = watched(llm)
+    assert ours(llm, ids + ids) == want + want
+    sch, bm = llm.engine.scheduler, llm.engine.block_manager
+    assert sch.num_preemptions > 0 and (sch.num_swaps > 0) == bool(swap_space), (sch.num_preemptions, sch.num_swaps)
+    assert seen["freed"] > 0 and bm.num_free_blocks == bm.num_blocks and not bm.cpu_tables and len(bm.cpu_free) == bm.num_cpu_blocks
+
+def test_gemma_frees_nothing(tmp_path):
+    "A model with global layers beside its windowed ones (Gemma 2) reads every key again: no block is freed early."
+    from llm_engine.block_manager import freeable_window
+    from llm_engine.model import load_model
+    d = make_tiny_family(tmp_path / "gemma2", "gemma2")
+    mc = load_model(str(d), torch.float32, "cpu")[0].config
+    assert mc.sliding_window and any(mc.layer_window(i) is None for i in range(mc.num_layers))
+    assert freeable_window(mc) is None
