@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 import numpy as np, torch
 from fastcore.basics import patch
-from .config import EngineConfig, resolve_device, resolve_dtype
+from .config import EngineConfig, resolve_device, resolve_dtype, generation_defaults
 from .model import load_model, load_tokenizer
 from .runner import ModelRunner
 from .block_manager import BlockManager, freeable_window
@@ -611,12 +611,16 @@ class LLM:
     "vLLM's offline API: `LLM(model=None).generate(prompts, params)`."
     def __init__(self, model=None, **kw): self.engine = LLMEngine(EngineConfig.create(model=model, **kw))
     def get_tokenizer(self): return self.engine.tokenizer
+    def get_default_sampling_params(self) -> SamplingParams:
+        "vLLM's name: `SamplingParams` with the model's generation_config.json defaults (its `max_new_tokens` as `max_tokens`)."
+        keep = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+        return SamplingParams(**{k: v for k, v in generation_defaults(self.engine.model_path).items() if k in keep})
 
     def generate(self, prompts, sampling_params=None, use_tqdm=True, priority=None) -> list[RequestOutput]:
         "Complete every prompt (strings or token-id lists); `sampling_params` is one `SamplingParams` or one per prompt."
         from tqdm.auto import tqdm
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)): prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()    # the model's own defaults, as vLLM's
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts): raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         eng, ids = self.engine, [f"offline-{uuid.uuid4().hex}" for _ in prompts]
