@@ -57,16 +57,16 @@ def _rows(lin: nn.Linear, idx) -> nn.Linear:
     return out
 
 class RowParallelLinear(nn.Module):
-    "Holds input columns `idx` of a linear layer; each rank's partial product is summed by an all-reduce."
+    "Holds input columns `idx` of a linear layer; each rank's partial product is summed by an all-reduce, then the bias added once."
     def __init__(self, lin: nn.Linear, idx):
         super().__init__()
-        if lin.bias is not None: raise ValueError("row-parallel layers here carry no bias (Llama has none)")
         self.linear = nn.Linear(len(idx), lin.out_features, bias=False, dtype=lin.weight.dtype)
         self.linear.weight.data.copy_(lin.weight.data[:, idx])
+        self.bias = None if lin.bias is None else nn.Parameter(lin.bias.data.clone(), requires_grad=False)
     def forward(self, x):
         y = self.linear(x)
         dist.all_reduce(y)
-        return y
+        return y if self.bias is None else y + self.bias
 
 # %% ../nbs/11b_tensor_parallel.ipynb
 class VocabParallelEmbedding(nn.Module):
@@ -180,6 +180,7 @@ class TPStepInputs:
     block_tables: list        # one list of block ids per row
     logits_rows: list         # flat-batch index of each sequence's last token, in the caller's order
     kv_ops: list = field(default_factory=list)    # ("copy" | "swap_out" | "swap_in", src block, dst block), done in order first
+    pool_spans: list = field(default_factory=list)  # (start, end, "mean" | "last") of each pooling row, in the caller's order
 
     @classmethod
     def from_scheduler_output(cls, out: SchedulerOutput) -> TPStepInputs:
@@ -190,6 +191,7 @@ class TPStepInputs:
         step = cls.from_work([(list(rows[i].token_ids), rows[i].num_computed, rows[i].block_table) for i in order])
         where = {i: step.logits_rows[k] for k, i in enumerate(order)}
         step.logits_rows = [where[i] for i, r in enumerate(rows) if r.do_sample]
+        step.pool_spans = [(where[i] + 1 - len(r.token_ids), where[i] + 1, r.pooling) for i, r in enumerate(rows) if r.pooling]
         step.kv_ops = ([("swap_out", c.src, c.dst) for c in out.blocks_to_swap_out] + [("swap_in", c.src, c.dst) for c in out.blocks_to_swap_in]
                        + [("copy", c.src, c.dst) for c in out.blocks_to_copy])
         return step
@@ -241,8 +243,8 @@ class TPWorker:
 
     @torch.inference_mode()
     def execute(self, s: TPStepInputs) -> torch.Tensor:
-        "KV copies and swaps, then the forward over the flat batch; logits `[len(logits_rows), vocab]` (same on every rank)."
-        self.steps += 1
+        "KV copies and swaps, then the forward; logits `[len(logits_rows), vocab]` (same on every rank), pooled rows in `self.pooled`."
+        self.steps += 1; self.pooled = []
         if self.spec.inject_fault == (self.rank, self.steps): raise RuntimeError(f"injected fault on rank {self.rank} at step {self.steps}")
         caches = {"copy": (self.kv_cache, self.kv_cache), "swap_out": (self.kv_cache, self.cpu_cache), "swap_in": (self.cpu_cache, self.kv_cache)}
         for kind, src, dst in s.kv_ops:
@@ -252,7 +254,9 @@ class TPWorker:
         dev = self.device
         md = AttentionMetadata.build(s.query_lens, s.context_lens, s.block_tables, self.spec.block_size, device=dev, decode_backend=self.backend)
         hidden = self.model(torch.tensor(s.token_ids, device=dev), torch.tensor(s.positions, device=dev), md, self.layer_caches)
-        return self.model.compute_logits(hidden[torch.tensor(s.logits_rows, device=dev)])
+        # every rank holds the whole hidden state (after the last all-reduce): rank 0 pools it as the runner does (07a)
+        self.pooled = [hidden[a:b].float().sum(0) if how == "mean" else hidden[b - 1].float() for a, b, how in s.pool_spans]
+        return self.model.compute_logits(hidden[torch.tensor(s.logits_rows, dtype=torch.long, device=dev)])
 
 # %% ../nbs/11b_tensor_parallel.ipynb
 def _exit_when_orphaned(interval=0.5):
@@ -301,6 +305,7 @@ def free_port() -> int:
 
 class TensorParallelExecutor:
     "Rank 0 of a tensor-parallel group: spawns ranks 1..N-1, broadcasts each step, runs its own shard."
+    can_pool = True      # pooling requests (embeddings): rank 0 pools the final hidden states it holds whole
     def __init__(self, spec: TPSpec, model: Llama|None = None):
         if dist.is_initialized(): raise RuntimeError("a torch.distributed process group already exists in this process")
         self.spec = spec = dataclasses.replace(spec, port=spec.port or free_port())
@@ -336,7 +341,8 @@ class TensorParallelExecutor:
         step = TPStepInputs.from_scheduler_output(out)
         logits = self.execute_step(step)
         sampled = [i for i, r in enumerate(out.scheduled) if r.do_sample]
-        return RunnerOutput(logits.cpu() if sampled else None, sampled)
+        pooled = dict(zip([i for i, r in enumerate(out.scheduled) if r.pooling], (p.cpu() for p in self.worker.pooled)))
+        return RunnerOutput(logits.cpu() if sampled else None, sampled, pooled=pooled)
 
     def apply_block_ops(self, out: SchedulerOutput):
         "A step that only moves K/V (it preempted and computes nothing): the moves still happen on every rank."

@@ -1,5 +1,5 @@
-"""Pooling requests (embeddings, issue 25) where the engine has other machinery on: tensor parallelism (refused with a
-400 that says why, before anything is queued, on a real 2-rank executor), speculative decoding (a pooling request is
+"""Pooling requests (embeddings, issue 25) where the engine has other machinery on: tensor parallelism (rank 0 pools
+the hidden states it holds whole: the same vectors as one process, on a real 2-rank executor), speculative decoding (a pooling request is
 never given drafts, and its vector is unchanged), and preemption (a recomputed or swapped pooling request still pools
 every token once)."""
 import asyncio
@@ -13,28 +13,35 @@ from llm_engine.embeddings import embed_rows
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory): return str(make_tiny_model(tmp_path_factory.mktemp("tiny")))
 
-def test_tensor_parallel_is_a_400_naming_it(tiny):
+def test_tensor_parallel_embeddings_equal_one_process(tiny):
+    "On a real 2-rank executor: /v1/embeddings (mean) and last-token pooling, chunked, beside a completion; vectors equal one process's."
     from llm_engine.engine import AsyncLLMEngine
     from llm_engine.api import build_app
     from llm_engine.distributed import attach_tensor_parallel
     from llm_engine.embeddings import router
-    eng = LLMEngine(model=tiny, num_blocks=64, attention_backend="torch", dtype="float32")
+    kw = dict(model=tiny, num_blocks=64, attention_backend="torch", dtype="float32", max_num_batched_tokens=16)
+    one, eng = LLMEngine(**kw), LLMEngine(**kw)
     ex = attach_tensor_parallel(eng, 2)
     eng.runner = ex
-    async def ask():
-        aeng = AsyncLLMEngine(eng).start()
+    docs = ["a", "b", "a longer text, long enough that its prompt is computed in more than one chunk of sixteen tokens"]
+    async def ask(e):
+        aeng = AsyncLLMEngine(e).start()
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(aeng, routers=[router])), base_url="http://t") as c:
-                emb = await c.post("/v1/embeddings", json={"input": ["a", "b"]})
+                emb = await c.post("/v1/embeddings", json={"input": docs})
                 chat = await c.post("/v1/completions", json={"prompt": "still serving", "max_tokens": 3})
                 return emb, chat
         finally: aeng.shutdown()
     try:
-        emb, chat = asyncio.run(ask())
-        assert emb.status_code == 400, emb.text
-        assert "tensor parallelism" in emb.json()["error"]["message"] and "hidden states" in emb.json()["error"]["message"]
+        ids = [list(range(10, 50)), [7, 8, 9]]               # offline first: shutting the async engine down closes the ranks
+        for how in ("mean", "last"):
+            torch.testing.assert_close(embed_rows(eng, ids, how), embed_rows(one, ids, how), atol=1e-5, rtol=0)
+        (emb, chat), (emb1, _) = asyncio.run(ask(eng)), asyncio.run(ask(one))
+        assert emb.status_code == 200 == emb1.status_code, emb.text
+        got, want = ([d["embedding"] for d in r.json()["data"]] for r in (emb, emb1))
+        assert len(got) == 3
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=0)
         assert chat.status_code == 200 and eng.requests == {} and eng.block_manager.num_used_blocks == 0
-        with pytest.raises(ValueError, match="tensor parallelism"): eng.add_request("x", [1, 2, 3], PoolingParams())
     finally: ex.close()
 
 def test_speculative_decoding_gives_no_drafts_to_a_pooling_request(tiny):
