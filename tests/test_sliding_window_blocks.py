@@ -70,3 +70,16 @@ def test_gemma_frees_nothing(tmp_path):
     mc = load_model(str(d), torch.float32, "cpu")[0].config
     assert mc.sliding_window and any(mc.layer_window(i) is None for i in range(mc.num_layers))
     assert freeable_window(mc) is None
+
+def test_forked_samples_equal_an_engine_that_frees_nothing(mistral):
+    "n=2 seeded sampling forks sequences that share the parent's blocks and placeholders: the same tokens as with freeing off."
+    d, ids, _ = mistral
+    sp = SamplingParams(temperature=0.8, max_tokens=NEW, n=2, seed=3, ignore_eos=True)
+    runs = []
+    for free in (True, False):
+        llm = LLM(model=str(d), dtype="float32", block_size=BS, seed=0)
+        if not free: llm.engine.block_manager.sliding_window = None
+        seen = watched(llm)
+        runs.append([[c.token_ids for c in o.outputs] for o in llm.generate(ids, sp, use_tqdm=False)])
+        assert (seen["freed"] > 0) == free and llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert runs[0] == runs[1] and all(a != b for a, b in runs[0])
