@@ -132,6 +132,7 @@ def allocate(self: BlockManager, seq_id, token_ids, use_cache=True) -> int:
     table += [self._take() for _ in range(self.blocks_for(len(token_ids)) - hits)]
     self.tables[seq_id], self.num_hashed[seq_id] = table, hits
     self.queried_tokens += len(token_ids); self.hit_tokens += hits * bs
+    self.free_outside_window(seq_id, hits * bs)     # cache hits behind the first query's window are never read
     return hits * bs
 
 @patch
