@@ -100,9 +100,16 @@ class BlockManager:
 
 # %% ../nbs/04_block_manager.ipynb
 @patch
-def can_allocate(self: BlockManager, num_tokens) -> bool:
+def admit_need(self: BlockManager, num_tokens, budget=None) -> int:
+    "Free blocks a prompt of `num_tokens` needs to start, at most `budget` of them computed now (cache hits ignored: never over-promising)."
+    if not self.sliding_window or budget is None: return self.blocks_for(num_tokens)
+    # windowed: its first chunk, plus at most the cache hits that the first query's window sees (section below)
+    return min(self.blocks_for(num_tokens), self.blocks_for(min(num_tokens, budget)) + self.blocks_for(self.sliding_window) + 1)
+
+@patch
+def can_allocate(self: BlockManager, num_tokens, budget=None) -> bool:
     "Whether a prompt of `num_tokens` fits now (ignoring cache hits, so never over-promising)."
-    return self.blocks_for(num_tokens) <= self.num_free_blocks
+    return self.admit_need(num_tokens, budget) <= self.num_free_blocks
 
 @patch
 def _cached_block(self: BlockManager, h, tokens: tuple, parent: int) -> int|None:
@@ -113,26 +120,31 @@ def _cached_block(self: BlockManager, h, tokens: tuple, parent: int) -> int|None
     return bid if b.token_ids == tokens and b.parent == parent else None   # a collision is a miss
 
 @patch
-def allocate(self: BlockManager, seq_id, token_ids, use_cache=True) -> int:
-    "Give `seq_id` blocks for `token_ids`; returns how many leading tokens are already computed (prefix-cache hits)."
+def allocate(self: BlockManager, seq_id, token_ids, use_cache=True, budget=None) -> int:
+    "Give `seq_id` blocks for `token_ids` (windowed: for the first `budget` tokens to compute); returns how many leading tokens are already computed (prefix-cache hits)."
     assert seq_id not in self.tables, f"sequence {seq_id} already has blocks"
-    if not self.can_allocate(len(token_ids)):
-        raise NoFreeBlocks(f"{len(token_ids)} tokens need {self.blocks_for(len(token_ids))} blocks, {self.num_free_blocks} free")
-    bs, table, h, parent, hits = self.block_size, [], None, -1, 0
+    if not self.can_allocate(len(token_ids), budget):
+        raise NoFreeBlocks(f"{len(token_ids)} tokens need {self.admit_need(len(token_ids), budget)} blocks, {self.num_free_blocks} free")
+    bs, hit, h, parent = self.block_size, [], None, -1
     if self.enable_prefix_caching and use_cache:     # a request that wants its prompt's logprobs must compute every token
         for i in range((len(token_ids) - 1) // bs):
             toks = tuple(token_ids[i*bs:(i+1)*bs])
             h = chain_hash(toks, h)
             bid = self._cached_block(h, toks, parent)
             if bid is None: break
-            b = self.blocks[bid]
-            if b.ref_count == 0: del self.free_ids[bid]
-            b.ref_count += 1
-            table.append(bid); hits += 1; parent = b.content_id
-    table += [self._take() for _ in range(self.blocks_for(len(token_ids)) - hits)]
-    self.tables[seq_id], self.num_hashed[seq_id] = table, hits
+            hit.append(bid); parent = self.blocks[bid].content_id
+    hits = len(hit)
+    first = self._window_start(hits * bs, hits) if self.sliding_window else 0   # hits behind the first query's window: not held
+    for bid in hit[first:]:
+        b = self.blocks[bid]
+        if b.ref_count == 0: del self.free_ids[bid]
+        b.ref_count += 1
+    # a windowed sequence takes blocks chunk by chunk (append_slots), so a long prompt never holds more than its window's
+    upto = len(token_ids) if not self.sliding_window or budget is None else min(len(token_ids), hits * bs + budget)
+    self.tables[seq_id] = hit[first:] + [self._take() for _ in range(self.blocks_for(upto) - hits)]
+    self.num_hashed[seq_id] = hits
+    if first: self.dropped[seq_id] = first
     self.queried_tokens += len(token_ids); self.hit_tokens += hits * bs
-    self.free_outside_window(seq_id, hits * bs)     # cache hits behind the first query's window are never read
     return hits * bs
 
 @patch
@@ -237,12 +249,17 @@ def freeable_window(mc) -> int|None:
     return ws.pop() if len(ws) == 1 and None not in ws else None
 
 @patch
+def _window_start(self: BlockManager, num_computed, num_hashed) -> int:
+    "The first block that a query at position `num_computed` can read (the hash chain's last block is kept while it grows)."
+    first = max(0, num_computed - self.sliding_window + 1) // self.block_size
+    if self.enable_prefix_caching and num_hashed >= 0: first = min(first, max(0, num_hashed - 1))  # it names the next parent
+    return first
+
+@patch
 def free_outside_window(self: BlockManager, seq_id, num_computed) -> int:
     "Return to the pool the blocks of `seq_id` that no query from position `num_computed` on can see; how many."
     if not self.sliding_window or seq_id not in self.tables: return 0
-    first = max(0, num_computed - self.sliding_window + 1) // self.block_size   # block of the first key still visible
-    h = self.num_hashed[seq_id]
-    if self.enable_prefix_caching and h >= 0: first = min(first, max(0, h - 1))  # the chain's tail names the next parent
+    first = self._window_start(num_computed, self.num_hashed[seq_id])
     d, t = self.dropped.get(seq_id, 0), self.tables[seq_id]
     n = min(first - d, len(t) - 1)
     if n <= 0: return 0

@@ -241,11 +241,11 @@ def _take_waiting(self: Scheduler, seq: Sequence):
 def _schedule_waiting(self: Scheduler, out: SchedulerOutput, budget: int) -> tuple[int, str|None]:
     while self.waiting:
         seq = self._next_waiting()
-        if cause := self._blocked(budget, self.bm.blocks_for(seq.num_tokens)): return budget, cause
+        if cause := self._blocked(budget, self.bm.admit_need(seq.num_tokens, budget)): return budget, cause
         self._take_waiting(seq)
         # every token computed when its logits (prompt logprobs) or hidden states (mean pooling) are wanted, not only the K/V
         reuse = getattr(seq.params, "prompt_logprobs", None) is None and seq.pooling != "mean"
-        seq.num_computed = self.bm.allocate(seq.seq_id, seq.token_ids, reuse)
+        seq.num_computed = self.bm.allocate(seq.seq_id, seq.token_ids, reuse, budget)   # windowed: blocks for this step's tokens
         seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed)
         n = min(seq.remaining, budget)
         seq.status = SeqStatus.RUNNING; self.running.append(seq)

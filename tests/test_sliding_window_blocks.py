@@ -83,3 +83,23 @@ def test_forked_samples_equal_an_engine_that_frees_nothing(mistral):
         runs.append([[c.token_ids for c in o.outputs] for o in llm.generate(ids, sp, use_tqdm=False)])
         assert (seen["freed"] > 0) == free and llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     assert runs[0] == runs[1] and all(a != b for a, b in runs[0])
+
+def test_long_prompt_prefills_in_window_sized_pieces(mistral):
+    "A 60-odd token prompt prefilled 8 tokens a step holds at most one chunk's blocks plus the window's (5 of 4 tokens), never its whole length; same ids as transformers."
+    from transformers import AutoModelForCausalLM
+    d, ids, _ = mistral
+    long = (ids[0] + ids[1] + ids[2]) * 2
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    want = hf.generate(torch.tensor([long]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(long):].tolist()
+    llm = LLM(model=str(d), dtype="float32", block_size=BS, max_num_batched_tokens=8)
+    sch, bm, peak = llm.engine.scheduler, llm.engine.block_manager, [0]
+    schedule = sch.schedule
+    def look():
+        out = schedule()
+        peak[0] = max([peak[0]] + [len(bm.tables[r.seq_id]) for r in out.scheduled])
+        return out
+    sch.schedule = look
+    got = llm.generate([long], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+    assert len(long) > 50 and 0 < peak[0] <= bm.admit_need(len(long), 8) == 5, peak
+    assert bm.num_free_blocks == bm.num_blocks
