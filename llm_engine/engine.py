@@ -142,7 +142,8 @@ def add_request(self: LLMEngine, request_id, prompt, params: SamplingParams|None
         raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                          f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} for the completion)")
     bm = self.block_manager
-    if bm.blocks_for(len(ids) + params.max_tokens) > bm.num_blocks:
+    # with a sliding window on every layer the blocks behind it go back as it runs (04): what it holds at most, not its length
+    if bm.admit_need(len(ids) + params.max_tokens, self.config.scheduler.max_num_batched_tokens) > bm.num_blocks:
         raise ValueError(f"the request needs up to {len(ids) + params.max_tokens} tokens of KV cache but the cache holds only "
                          f"{bm.num_blocks * bm.block_size}; lower max_tokens or give the engine more KV memory")
     if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting: raise QueueFull("the request queue is full")
@@ -174,7 +175,7 @@ def _add_pooling(self: LLMEngine, request_id, text, ids, params: PoolingParams, 
     if len(ids) > self.max_model_len:
         raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has {len(ids)} tokens")
     bm = self.block_manager
-    if bm.blocks_for(len(ids)) > bm.num_blocks:
+    if bm.admit_need(len(ids), self.config.scheduler.max_num_batched_tokens) > bm.num_blocks:
         raise ValueError(f"the prompt's {len(ids)} tokens need more KV cache than the engine has ({bm.num_blocks * bm.block_size} tokens)")
     if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting: raise QueueFull("the request queue is full")
     seq = Sequence(request_id, ids, params, priority, arrival_time)

@@ -103,3 +103,16 @@ def test_long_prompt_prefills_in_window_sized_pieces(mistral):
     assert got == want
     assert len(long) > 50 and 0 < peak[0] <= bm.admit_need(len(long), 8) == 5, peak
     assert bm.num_free_blocks == bm.num_blocks
+
+def test_request_longer_than_the_pool_is_admitted(mistral):
+    "8 blocks of 4 tokens hold 32 tokens; a windowed request of about 60 (its prompt and 40 new tokens) never holds more than its window's blocks and a chunk's, so it is admitted, runs and matches."
+    d, ids, want = mistral
+    llm = LLM(model=str(d), dtype="float32", block_size=BS, num_blocks=8, swap_space=0, max_num_batched_tokens=8)
+    bm = llm.engine.block_manager
+    assert len(ids[2]) + NEW > bm.num_blocks * BS
+    assert ours(llm, [ids[2]]) == [want[2]]
+    assert bm.num_free_blocks == bm.num_blocks and not bm.tables
+    # a model without a window is still refused such a request, with the message naming the cache
+    from llm_engine.testing import make_tiny_model
+    plain = LLM(model=str(make_tiny_model(d.parent / "plain")), dtype="float32", block_size=BS, num_blocks=8, swap_space=0)
+    with pytest.raises(ValueError, match="KV cache"): plain.generate([ids[2]], GREEDY, use_tqdm=False)
