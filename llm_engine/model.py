@@ -487,7 +487,6 @@ def load_model(model=None, dtype=torch.float32, device="cpu", quantization=None)
     # an untied table is not quantized: in `dtype` from the start, it is mapped from the file as an unquantized model's is
     m = empty_model(mc, None if quantization else dtype, device, as_read, dtype if as_read and not mc.tie_word_embeddings else None)
     m = load_weights(m, path, _quantize_as_read(m, quantization) if as_read else None)
-    if as_read: release_freed_memory()     # the fp32 rows quantized away were freed into the heap, not to the OS
     if quantization is not None:     # from the fp32 weights, before the cast (notebook 05b): what was not done as read
         from llm_engine.precision import quantize_linears
         quantize_linears(m, quantization, path)
