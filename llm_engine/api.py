@@ -779,11 +779,11 @@ def _idle_since(p, now) -> float:
     return mark[1]
 
 @patch
-def make_room(self: FdBudget, connections, keep=None, pending=0) -> int:
-    "Over the cap (counting `pending` not yet seen), close idle connections but `keep`: keep-alive ones first, then the oldest."
-    if len(connections) + pending <= self.cap: return 0
+def make_room(self: FdBudget, connections, keep=None, pending=0, at_least=0) -> int:
+    "Over the cap (counting `pending` not yet seen), or `at_least` in any case, close idle connections but `keep`: keep-alive first, then the oldest."
+    if len(connections) + pending <= self.cap and not at_least: return 0
     live = [p for p in connections if not p.transport.is_closing()]
-    if (over := len(live) + pending - self.cap) <= 0: return 0
+    if (over := max(len(live) + pending - self.cap, at_least)) <= 0: return 0
     now = time.monotonic()
     idle = [p for p in live if p is not keep and not _busy(p)]
     victims = heapq.nsmallest(over, idle, key=lambda p: (p.cycle is None, _idle_since(p, now)))
@@ -824,13 +824,20 @@ class GuardedSocket(socket.socket):
     "A listening socket whose `accept` (called by asyncio's loop) makes room under `budget`'s cap before it takes more."
     budget: FdBudget|None = None
     _paused = False
+    def _pause(self):
+        self._paused = True; asyncio.get_running_loop().call_soon(setattr, self, "_paused", False)
     def accept(self):
         if self._paused: raise BlockingIOError        # asyncio's accept loop stops here until the next turn
-        conn, addr = super().accept()
-        if (b := self.budget) is not None and b.connections is not None:
+        b = self.budget if self.budget is not None and self.budget.connections is not None else None
+        try: conn, addr = super().accept()
+        except OSError as e:
+            # out of descriptors all the same (something else opened files): asyncio would stop accepting for a whole
+            # second, /health included; closing a few idle connections lets the next turn go on
+            if b is None or e.errno not in _OUT_OF or not b.make_room(b.connections, at_least=max(1, b.reserve // 8)): raise
+            b.accept_errors += 1; self._pause(); raise BlockingIOError from e
+        if b is not None:
             b.pending += 1
-            if b.make_room(b.connections, pending=b.pending):
-                self._paused = True; asyncio.get_running_loop().call_soon(setattr, self, "_paused", False)
+            if b.make_room(b.connections, pending=b.pending): self._pause()
         return conn, addr
 
 # %% ../nbs/10_api.ipynb
