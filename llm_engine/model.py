@@ -17,12 +17,12 @@ from .layers import RMSNorm, SwiGLU
 from .attention import AttentionMetadata, store_kv, paged_attention, _gather
 
 # %% auto 0
-__all__ = ['ACT_FNS', 'MANIFEST', 'DEFAULT_GGUF', 'AS_READ', 'SECOND_COPY_MAX_BYTES', 'GatedMLP', 'make_rope', 'window_attention',
-           'LlamaAttention', 'LlamaDecoderLayer', 'Llama', 'weight_files', 'safetensors_header', 'load_weights',
-           'clean_stale_temps', 'write_manifest', 'check_cached_model', 'default_gguf_path', 'gguf_config',
-           'convert_gguf', 'resolve_model', 'cached_conversion', 'empty_model', 'load_model', 'load_tokenizer',
-           'PackedLinear', 'bound_onednn_caches', 'release_freed_memory', 'model_bytes', 'second_copy_pays',
-           'prepack_linears', 'keep_freed_memory']
+__all__ = ['ACT_FNS', 'MANIFEST', 'DEFAULT_GGUF', 'AS_READ', 'SECOND_COPY_MAX_BYTES', 'GatedMLP', 'make_rope', 'window_prefill',
+           'window_decode', 'window_attention', 'LlamaAttention', 'LlamaDecoderLayer', 'Llama', 'weight_files',
+           'safetensors_header', 'load_weights', 'clean_stale_temps', 'write_manifest', 'check_cached_model',
+           'default_gguf_path', 'gguf_config', 'convert_gguf', 'resolve_model', 'cached_conversion', 'empty_model',
+           'load_model', 'load_tokenizer', 'PackedLinear', 'bound_onednn_caches', 'release_freed_memory', 'model_bytes',
+           'second_copy_pays', 'prepack_linears', 'keep_freed_memory']
 
 # %% ../nbs/05_model.ipynb
 ACT_FNS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
@@ -67,22 +67,32 @@ def _attend(q, k, v, mask, scale, softcap=None):
     p = s.masked_fill(~mask[:, None, None], float("-inf")).softmax(-1)
     return torch.einsum("bkgtl,blkd->btkgd", p, v.float()).reshape(B, Tq, nh, hd).to(q.dtype)
 
-def window_attention(q, k_cache, v_cache, md: AttentionMetadata, scale, window=None, softcap=None) -> torch.Tensor:
-    "`paged_attention` with a sliding window and soft-capped scores: prefill rows in plain torch ops (any device), decode rows by the C++ kernel where it serves."
-    out, start, dev = torch.empty_like(q), 0, q.device
+def window_prefill(out, q, k_cache, v_cache, md: AttentionMetadata, scale, window=None, softcap=None) -> int:
+    "The prefill rows of `window_attention` into `out`, in plain torch ops (any device); returns how many rows that was."
+    start, dev = 0, q.device
     for i, (ql, cl) in enumerate(zip(md.prefill_query_lens, md.prefill_context_lens)):
         lo = max(0, cl - ql - window + 1) if window else 0      # keys no query of this chunk can see are not read
         k, v = (_gather(c, md.prefill_block_tables[i], cl)[lo:] for c in (k_cache, v_cache))
         mask = _visible(torch.arange(cl - ql, cl, device=dev), torch.arange(lo, cl, device=dev), window)
         out[start:start + ql] = _attend(q[None, start:start + ql], k[None], v[None], mask[None], scale, softcap)[0]
         start += ql
+    return start
+
+def window_decode(out, q, k_cache, v_cache, md: AttentionMetadata, scale, window=None, softcap=None):
+    "The decode rows (`q`, `out`: those rows only) of `window_attention` in plain torch ops (any device)."
+    k, v = (c[md.decode_block_tables].flatten(1, 2) for c in (k_cache, v_cache))    # [D, L, kv_heads, hd]
+    mask = _visible(md.decode_context_lens - 1, torch.arange(k.shape[1], device=q.device), window)
+    out[:] = _attend(q[:, None], k, v, mask[:, None], scale, softcap)[:, 0]
+
+def window_attention(q, k_cache, v_cache, md: AttentionMetadata, scale, window=None, softcap=None) -> torch.Tensor:
+    "`paged_attention` with a sliding window and soft-capped scores; another device's attention (`md.attention`) is handed both."
+    if md.attention is not None: return md.attention(q, k_cache, v_cache, md, scale, window=window or 0, softcap=softcap or 0.0)
+    out = torch.empty_like(q)
+    start = window_prefill(out, q, k_cache, v_cache, md, scale, window, softcap)
     if md.num_decodes and md.decode_backend == "cpp" and q.device.type == "cpu":     # the kernel reads the window's blocks only (03)
         torch.ops.llm_engine.paged_decode(out[start:], q[start:].contiguous(), k_cache, v_cache, md.decode_block_tables,
                                           md.decode_context_lens, scale, window or 0, softcap or 0.0)
-    elif md.num_decodes:
-        k, v = (c[md.decode_block_tables].flatten(1, 2) for c in (k_cache, v_cache))    # [D, L, kv_heads, hd]
-        mask = _visible(md.decode_context_lens - 1, torch.arange(k.shape[1], device=dev), window)
-        out[start:] = _attend(q[start:, None], k, v, mask[:, None], scale, softcap)[:, 0]
+    elif md.num_decodes: window_decode(out[start:], q[start:], k_cache, v_cache, md, scale, window, softcap)
     return out
 
 # %% ../nbs/05_model.ipynb
