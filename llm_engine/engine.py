@@ -10,7 +10,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np, torch
 from fastcore.basics import patch
 from .config import EngineConfig, resolve_device, resolve_dtype, generation_defaults
-from .model import load_model, load_tokenizer
+from .model import load_tokenizer
+from .precision import load_for_serving
 from .runner import ModelRunner
 from .block_manager import BlockManager, freeable_window
 from .sampling import SamplingParams, SampleOutput, sample
@@ -75,7 +76,7 @@ class LLMEngine:
         # "auto" becomes the dtype in force (notebook 05b), so whoever reads the config later sees that one
         self.config = cfg = replace(cfg, dtype=resolve_dtype(cfg.dtype, device, quantization=cfg.quantization))
         dtype = getattr(torch, cfg.dtype)      # of the weights' activations and of the KV cache, sized below by its bytes
-        self.model, self.model_path = load_model(cfg.model, dtype, device, cfg.quantization)
+        self.model, self.model_path = load_for_serving(cfg.model, dtype, device, cfg.quantization)
         self.tokenizer = load_tokenizer(self.model_path)
         mc, nbytes = self.model.config, torch.finfo(dtype).bits // 8
         num_blocks = cfg.cache.resolve_num_blocks(mc, nbytes)

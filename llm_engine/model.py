@@ -17,12 +17,12 @@ from .layers import RMSNorm, SwiGLU
 from .attention import AttentionMetadata, store_kv, paged_attention, _gather
 
 # %% auto 0
-__all__ = ['ACT_FNS', 'MANIFEST', 'DEFAULT_GGUF', 'AS_READ', 'SECOND_COPY_MAX_BYTES', 'GatedMLP', 'make_rope', 'window_prefill',
+__all__ = ['ACT_FNS', 'MANIFEST', 'DEFAULT_GGUF', 'SECOND_COPY_MAX_BYTES', 'GatedMLP', 'make_rope', 'window_prefill',
            'window_decode', 'window_attention', 'LlamaAttention', 'LlamaDecoderLayer', 'Llama', 'weight_files',
            'safetensors_header', 'load_weights', 'clean_stale_temps', 'write_manifest', 'check_cached_model',
-           'default_gguf_path', 'gguf_config', 'convert_gguf', 'resolve_model', 'cached_conversion', 'empty_model',
-           'load_model', 'load_tokenizer', 'PackedLinear', 'bound_onednn_caches', 'release_freed_memory', 'model_bytes',
-           'second_copy_pays', 'prepack_linears', 'keep_freed_memory']
+           'default_gguf_path', 'gguf_config', 'convert_gguf', 'resolve_model', 'cached_conversion',
+           'warn_window_paths', 'empty_model', 'load_model', 'load_tokenizer', 'PackedLinear', 'bound_onednn_caches',
+           'release_freed_memory', 'model_bytes', 'second_copy_pays', 'prepack_linears', 'keep_freed_memory']
 
 # %% ../nbs/05_model.ipynb
 ACT_FNS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
@@ -451,32 +451,17 @@ def cached_conversion(gguf: Path, out: Path) -> Path:
         except BaseException:              # a file we cannot serve leaves nothing behind in the cache
             Path(lock.name).unlink(missing_ok=True); raise
 
-def _fast_paths(m: Llama):
-    "Install 05b's fused decode step where the model is plain Llama; otherwise say once which layers take the torch path."
+def warn_window_paths(m: Llama):
+    "Say once, at load, which layers take the torch path (`window_attention`) and why."
     mc = m.config
     if any(mc.layer_window(i) for i in range(mc.num_layers)) or mc.attn_logit_softcapping:
         warnings.warn(f"llm_engine: {mc.model_type}: layers with a sliding window or soft-capped scores prefill through the torch "
                       "path (window_attention) once a context outgrows the window; their decode rows take the C++ kernel's window and cap")
-    if not mc.llama_differences():
-        from llm_engine.precision import fuse_decode     # notebook 05b: bf16 or int8 decode steps with few Python calls
-        fuse_decode(m)
 
 def _matrices_to(m: nn.Module, dtype):
     "Give the linear and embedding weights `dtype` (on the meta device: free); norms stay fp32 until the final cast, as before."
     for mod in m.modules():
         if isinstance(mod, (nn.Linear, nn.Embedding)): mod.to(dtype)
-
-AS_READ = ("int8", "q4")     # quantized layer by layer as the file is read; w8a8 calibrates on the whole fp32 model first
-
-def _quantize_as_read(m: Llama, method: str):
-    "A `load_weights` hook: each linear quantized the moment its weights are read, so fp32 copies are never all in memory."
-    from llm_engine.precision import QUANTIZERS     # notebook 05b (loaded lazily: it imports this module)
-    def when_full(name: str) -> bool:
-        parent, _, child = name.rpartition(".")
-        lin = m.get_submodule(name)
-        if type(lin) is not nn.Linear: return False
-        setattr(m.get_submodule(parent), child, QUANTIZERS[method](lin, child, None)); return True
-    return when_full
 
 def empty_model(mc: ModelConfig, dtype=None, device="cpu", lazy_linears=False, embed_dtype=None) -> Llama:
     "Our `Llama` with memory for its weights, not filled: the matrices in `dtype` (None: fp32); linears left on the meta device if `lazy_linears`."
@@ -489,19 +474,11 @@ def empty_model(mc: ModelConfig, dtype=None, device="cpu", lazy_linears=False, e
     if mc.tie_word_embeddings: m.lm_head.weight = m.embed_tokens.weight
     return m
 
-def load_model(model=None, dtype=torch.float32, device="cpu", quantization=None) -> tuple[Llama, Path]:
-    "Our `Llama` with weights loaded on `device` (linears quantized if asked: notebook 05b), and the folder it came from."
+def load_model(model=None, dtype=torch.float32, device="cpu") -> tuple[Llama, Path]:
+    "Our `Llama` with weights loaded on `device` in `dtype`, and the folder it came from (quantized, and fused for serving: 05b's `load_for_serving`)."
     path = resolve_model(model)
-    mc = ModelConfig.from_pretrained(path)
-    as_read = quantization in AS_READ and device == "cpu"
-    # an untied table is not quantized: in `dtype` from the start, it is mapped from the file as an unquantized model's is
-    m = empty_model(mc, None if quantization else dtype, device, as_read, dtype if as_read and not mc.tie_word_embeddings else None)
-    m = load_weights(m, path, _quantize_as_read(m, quantization) if as_read else None)
-    if quantization is not None:     # from the fp32 weights, before the cast (notebook 05b): what was not done as read
-        from llm_engine.precision import quantize_linears
-        quantize_linears(m, quantization, path)
-    m = m.to(dtype).eval()
-    _fast_paths(m)
+    m = load_weights(empty_model(ModelConfig.from_pretrained(path), dtype, device), path).to(dtype).eval()
+    warn_window_paths(m)
     return m, path
 
 def load_tokenizer(path):
@@ -581,11 +558,3 @@ def keep_freed_memory() -> bool:
     libc = _libc()
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     return hasattr(libc, "mallopt") and bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
-
-# %% ../nbs/05_model.ipynb
-def __getattr__(name):
-    "`ModelRunner` moved to `llm_engine.runner`; the old import path keeps working (imported lazily: no cycle)."
-    if name == "ModelRunner":
-        from llm_engine.runner import ModelRunner
-        return ModelRunner
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,13 +14,16 @@ import llm_engine
 from .attention import AttentionMetadata, build_cpu_kernel, load_decode_kernel, paged_attention
 from .config import CPU_ISA
 from .rope import RotaryEmbedding
+from .model import (Llama, ModelConfig, SECOND_COPY_MAX_BYTES, empty_model, load_model, load_tokenizer, load_weights,
+                              resolve_model, second_copy_pays, warn_window_paths)
 
 # %% auto 0
-__all__ = ['STEP_KERNELS_SRC', 'NO_SCALES', 'Q4_GROUP', 'Q4_BYTES', 'W8A8_ALPHA', 'CALIBRATION_CHAT', 'QUANTIZERS',
+__all__ = ['STEP_KERNELS_SRC', 'NO_SCALES', 'Q4_GROUP', 'Q4_BYTES', 'W8A8_ALPHA', 'CALIBRATION_CHAT', 'QUANTIZERS', 'AS_READ',
            'load_step_kernels', 'widen_buffer', 'WeightOnlyLinear', 'int8_rows', 'Int8Linear', 'Bf16Linear',
            'quantize_q4', 'dequantize_q4', 'Q4Linear', 'forward_logits', 'calibration_ids', 'activation_ranges',
            'W8A8Linear', 'quantize_linears', 'bound_dequantized_copies', 'replace_linears', 'FusedDecode',
-           'widen_bf16_linears', 'fuse_decode', 'Agreement', 'compare_logits', 'best_of', 'weight_bytes_per_token']
+           'widen_bf16_linears', 'fuse_decode', 'load_for_serving', 'Agreement', 'compare_logits', 'best_of',
+           'weight_bytes_per_token']
 
 # %% ../nbs/05b_precision.ipynb
 STEP_KERNELS_SRC = (Path(llm_engine.__file__).parent / "csrc" / "decode_step.cpp").read_text()
@@ -245,7 +248,6 @@ def quantize_linears(model: nn.Module, method: str = "int8", model_path=None) ->
     ranges = {}
     if method == "w8a8":      # calibrated on the model's own tokenizer, before any layer changes
         if model_path is None: raise ValueError("w8a8 calibrates on the model's tokenizer: pass model_path")
-        from llm_engine.model import load_tokenizer
         ranges = activation_ranges(model, calibration_ids(load_tokenizer(model_path)))
     replace_linears(model, lambda lin, name: QUANTIZERS[method](lin, name.rpartition(".")[2], ranges.get(name)))
     bound_dequantized_copies(model)
@@ -255,7 +257,6 @@ def bound_dequantized_copies(model: nn.Module, max_bytes=None) -> bool:
     "Whether the weight-only layers keep dequantized bf16 copies for large batches: only while all of them fit the bound."
     # a 1.1B model's copies are 2.2 GB beside 0.7 GB of Q4 blocks: past SECOND_COPY_MAX_BYTES (05) each large batch
     # dequantizes into one shared bf16 buffer instead (about 0.13 ms per million weights, once per prefill step)
-    from llm_engine.model import SECOND_COPY_MAX_BYTES     # (05 loads this module lazily: no import at the top)
     lins = [q for q in model.modules() if isinstance(q, WeightOnlyLinear)]
     keep = sum(2 * q.in_features * q.out_features for q in lins) <= (SECOND_COPY_MAX_BYTES if max_bytes is None else max_bytes)
     for q in lins: q.keep_copy = keep
@@ -335,10 +336,37 @@ def fuse_decode(model, max_bytes=None) -> bool:
                       f"({', '.join(differs)}); decode steps take the layer loop")
     # plain bf16 weights for the one-call layer would sit beside prepack_linears' packed copy: kept for a small model, whose
     # steps are short enough for Python's calls to matter; past SECOND_COPY_MAX_BYTES the copy costs more than it buys
-    from llm_engine.model import second_copy_pays     # (05 loads this module lazily: no import at the top)
     one_call = quantized or second_copy_pays(model, max_bytes)
     model.decode_step = FusedDecode(model, one_call) if ok and not differs else None
     return model.decode_step is not None
+
+# %% ../nbs/05b_precision.ipynb
+AS_READ = ("int8", "q4")     # quantized layer by layer as the file is read; w8a8 calibrates on the whole fp32 model first
+
+def _quantize_as_read(m: Llama, method: str):
+    "A `load_weights` hook: each linear quantized the moment its weights are read, so fp32 copies are never all in memory."
+    def when_full(name: str) -> bool:
+        parent, _, child = name.rpartition(".")
+        lin = m.get_submodule(name)
+        if type(lin) is not nn.Linear: return False
+        setattr(m.get_submodule(parent), child, QUANTIZERS[method](lin, child, None)); return True
+    return when_full
+
+def load_for_serving(model=None, dtype=torch.float32, device="cpu", quantization=None) -> tuple[Llama, Path]:
+    "05's `load_model` with the linears quantized if asked (as read for `AS_READ`) and the fused decode step installed where it serves."
+    if quantization is None: m, path = load_model(model, dtype, device)
+    else:
+        path = resolve_model(model)
+        mc = ModelConfig.from_pretrained(path)
+        as_read = quantization in AS_READ and device == "cpu"
+        # an untied table is not quantized: in `dtype` from the start, it is mapped from the file as an unquantized model's is
+        m = empty_model(mc, None, device, as_read, dtype if as_read and not mc.tie_word_embeddings else None)
+        m = load_weights(m, path, _quantize_as_read(m, quantization) if as_read else None)
+        quantize_linears(m, quantization, path)     # from the fp32 weights, before the cast: what was not done as read
+        m = m.to(dtype).eval()
+        warn_window_paths(m)
+    if not m.config.llama_differences(): fuse_decode(m)
+    return m, path
 
 # %% ../nbs/05b_precision.ipynb
 @dataclass
