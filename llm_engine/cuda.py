@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from fastcore.basics import patch
 from .attention import AttentionMetadata, decode_attention, resolve_attention_backend
+from .model import window_prefill, window_decode
 
 try:
     import triton
@@ -40,8 +41,9 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 # %% ../nbs/11a_cuda.ipynb
-def paged_decode_reference(out, q, k_cache, v_cache, block_tables, context_lens, scale: float):
-    "Blocked online-softmax decode attention in torch: `out[b, h] = softmax(scale q K_b) V_b`, K/V read through `block_tables[b]`."
+def paged_decode_reference(out, q, k_cache, v_cache, block_tables, context_lens, scale: float, window: int = 0, softcap: float = 0.0):
+    "Blocked online-softmax decode attention in torch: `out[b, h] = softmax(scale q K_b) V_b`, K/V read through `block_tables[b]`; only the last `window` keys, scores capped at `softcap` (0: none)."
+    if window < 0 or softcap < 0: raise ValueError("window and softcap: 0 (none) or positive")
     B, H, D = q.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     qf = q.float().view(B, kvh, H // kvh, D)                  # query heads grouped under the KV head they share
@@ -50,10 +52,14 @@ def paged_decode_reference(out, q, k_cache, v_cache, block_tables, context_lens,
     t = torch.arange(bs, device=q.device)
     for i in range(block_tables.shape[1]):
         k, v = k_cache[block_tables[:, i]].float(), v_cache[block_tables[:, i]].float()   # [B, bs, kvh, D]
-        valid = (i * bs + t)[None] < context_lens[:, None]                               # [B, bs]
-        s = torch.einsum("bkgd,btkd->bkgt", qf, k).mul_(scale).masked_fill_(~valid[:, None, None], -math.inf)
+        pos = (i * bs + t)[None]
+        valid = pos < context_lens[:, None]                                              # [B, bs]
+        if window: valid &= pos >= context_lens[:, None] - window
+        s = torch.einsum("bkgd,btkd->bkgt", qf, k).mul_(scale)
+        if softcap: s = torch.tanh(s / softcap) * softcap
+        s.masked_fill_(~valid[:, None, None], -math.inf)
         m_new = torch.maximum(m, s.amax(-1))
-        m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)   # only for rows with no key yet (never after block 0)
+        m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)   # rows with no visible key yet (block 0 is, or before their window)
         a, p = torch.exp(m - m_safe), torch.exp(s - m_safe[..., None])
         l = l * a + p.sum(-1)
         acc = acc * a[..., None] + torch.einsum("bkgt,btkd->bkgd", p, v)
@@ -61,27 +67,42 @@ def paged_decode_reference(out, q, k_cache, v_cache, block_tables, context_lens,
     out.copy_((acc / l[..., None]).view(B, H, D))
     return out
 
+
 # %% ../nbs/11a_cuda.ipynb
 if triton is not None:
     @triton.jit
-    def _paged_decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, scale, block_size,
+    def _tanh(x):
+        e = tl.exp(-2.0 * tl.abs(x))          # in (0, 1] for every x: no overflow, no NaN
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+
+    @triton.jit
+    def _paged_decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, scale, block_size, window, softcap,
                              s_ob, s_oh, s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bt,
-                             GROUP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+                             GROUP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                             WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
         b, h = tl.program_id(0), tl.program_id(1)
         kvh = h // GROUP
         d, t = tl.arange(0, D_PAD), tl.arange(0, BLOCK)
         dm = d < HEAD_DIM
         q = tl.load(q_ptr + b * s_qb + h * s_qh + d, mask=dm, other=0.0).to(tl.float32)
         L = tl.load(cl_ptr + b)
+        start = 0
+        if WINDOW:
+            lo = tl.maximum(L - window, 0)     # the window's first key; the blocks before its block are never read
+            start = lo // block_size
         m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)   # scalars typed like the loop's values
         l = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
         acc = tl.zeros([D_PAD], tl.float32)
-        for i in range(0, tl.cdiv(L, block_size)):
+        for i in range(start, tl.cdiv(L, block_size)):
             blk = tl.load(bt_ptr + b * s_bt + i).to(tl.int64)
             tm = (t < block_size) & (i * block_size + t < L)
+            if WINDOW: tm = tm & (i * block_size + t >= lo)
             kv_mask = tm[:, None] & dm[None, :]
             k = tl.load(k_ptr + blk * s_kb + t[:, None] * s_kt + kvh * s_kh + d[None, :], mask=kv_mask, other=0.0)
-            s = tl.where(tm, tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
+            s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale
+            if SOFTCAP: s = softcap * _tanh(s / softcap)
+            s = tl.where(tm, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=0))
             a, p = tl.exp(m - m_new), tl.exp(s - m_new)
             v = tl.load(v_ptr + blk * s_vb + t[:, None] * s_vt + kvh * s_vh + d[None, :], mask=kv_mask, other=0.0)
@@ -90,11 +111,12 @@ if triton is not None:
             m = m_new
         tl.store(out_ptr + b * s_ob + h * s_oh + d, (acc / l).to(out_ptr.dtype.element_ty), mask=dm)
 
+
 # %% ../nbs/11a_cuda.ipynb
 def _next_pow2(n: int) -> int: return 1 << max(0, (int(n) - 1).bit_length())
 
-def paged_decode_triton(out, q, k_cache, v_cache, block_tables, context_lens, scale: float):
-    "The Triton paged decode kernel; same arguments and result as `paged_decode_reference` and the C++ op."
+def paged_decode_triton(out, q, k_cache, v_cache, block_tables, context_lens, scale: float, window: int = 0, softcap: float = 0.0):
+    "The Triton paged decode kernel; same arguments (window and cap included) and result as `paged_decode_reference` and the C++ op."
     if triton is None: raise RuntimeError("paged_decode_triton needs Triton, which is not installed (it ships with CUDA builds of torch)")
     if not (q.is_cuda and k_cache.is_cuda and out.is_cuda) and os.environ.get("TRITON_INTERPRET") != "1":   # the interpreter runs on CPU tensors
         raise RuntimeError("paged_decode_triton runs on CUDA tensors only")
@@ -102,13 +124,15 @@ def paged_decode_triton(out, q, k_cache, v_cache, block_tables, context_lens, sc
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     if H % kvh or k_cache.shape[3] != D or out.shape != q.shape: raise ValueError("shapes disagree: q/out [B, H, D], caches [blocks, block_size, kv_heads, D]")
     if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1: raise ValueError("head_dim must be contiguous")
+    if window < 0 or softcap < 0: raise ValueError("window and softcap: 0 (none) or positive")
     if B == 0: return out
     bt, cl = block_tables.contiguous(), context_lens.contiguous()
-    _paged_decode_kernel[(B, H)](out, q, k_cache, v_cache, bt, cl, float(scale), bs,
+    _paged_decode_kernel[(B, H)](out, q, k_cache, v_cache, bt, cl, float(scale), bs, int(window), float(softcap),
                                  out.stride(0), out.stride(1), q.stride(0), q.stride(1),
                                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                  v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
-                                 GROUP=H // kvh, BLOCK=_next_pow2(bs), HEAD_DIM=D, D_PAD=_next_pow2(D), num_warps=2)
+                                 GROUP=H // kvh, BLOCK=_next_pow2(bs), HEAD_DIM=D, D_PAD=_next_pow2(D),
+                                 WINDOW=window > 0, SOFTCAP=softcap > 0, num_warps=2)
     return out
 
 # %% ../nbs/11a_cuda.ipynb
@@ -156,21 +180,25 @@ def flat_prefill_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: fl
 # %% ../nbs/11a_cuda.ipynb
 DECODE_BACKENDS = ("triton", "reference", "cpp", "torch")
 
-def cuda_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
-    "`paged_attention` for any device: the prefill rows in one flat call, the decode rows by `md.decode_backend`."
-    out, n = torch.empty_like(q), md.num_prefill_tokens
-    if n: out[:n] = flat_prefill_attention(q[:n], k_cache, v_cache, md, scale)
+def cuda_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    "`paged_attention` for any device: the prefill rows in one flat call, the decode rows by `md.decode_backend`; a sliding `window` and a score `softcap` (0: none) honoured by both."
+    out, n, special = torch.empty_like(q), md.num_prefill_tokens, bool(window or softcap)
+    if n and special: window_prefill(out, q, k_cache, v_cache, md, scale, window, softcap)   # the flat call has neither
+    elif n: out[:n] = flat_prefill_attention(q[:n], k_cache, v_cache, md, scale)
     if not md.num_decodes: return out
     args = (out[n:], q[n:].contiguous(), k_cache, v_cache, md.decode_block_tables, md.decode_context_lens, scale)
+    args += (window, softcap) if special else ()
     if md.decode_backend == "triton": paged_decode_triton(*args)
     elif md.decode_backend == "reference": paged_decode_reference(*args)
     elif md.decode_backend == "cpp": torch.ops.llm_engine.paged_decode(*args)
+    elif md.decode_backend == "torch" and special: window_decode(out[n:], q[n:], k_cache, v_cache, md, scale, window, softcap)
     elif md.decode_backend == "torch":
         for bt, mask in md.decode_groups:
             out[n:n + len(bt)] = decode_attention(q[n:n + len(bt)], k_cache, v_cache, bt, mask, scale)
             n += len(bt)
     else: raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, not {md.decode_backend!r}")
     return out
+
 
 # %% ../nbs/11a_cuda.ipynb
 def select_attention_backend(device, dtype=torch.float32, requested: str = "auto") -> str:

@@ -162,9 +162,9 @@ for lens, H, KVH, D, BS, dt in [([1, 15, 16, 17, 40, 100], 9, 3, 64, 16, torch.f
     bt = torch.tensor([[perm.pop() for _ in range(-(-L // BS))] + [0] * (W - -(-L // BS)) for L in lens])
     ctx, q = torch.tensor(lens), torch.randn(len(lens), H, D, generator=g).to(dt)
     out = torch.empty_like(q)
-    C._paged_decode_kernel[(len(lens), H)](out, q, kc, vc, bt, ctx, D ** -0.5, BS, out.stride(0), out.stride(1), q.stride(0), q.stride(1),
+    C._paged_decode_kernel[(len(lens), H)](out, q, kc, vc, bt, ctx, D ** -0.5, BS, 0, 0.0, out.stride(0), out.stride(1), q.stride(0), q.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), bt.stride(0),
-        GROUP=H // KVH, BLOCK=C._next_pow2(BS), HEAD_DIM=D, D_PAD=C._next_pow2(D))
+        GROUP=H // KVH, BLOCK=C._next_pow2(BS), HEAD_DIM=D, D_PAD=C._next_pow2(D), WINDOW=False, SOFTCAP=False)
     ref = C.paged_decode_reference(torch.empty_like(q), q, kc, vc, bt, ctx, D ** -0.5)
     err = (out.float() - ref.float()).abs().max().item()
     assert err < (1e-5 if dt == torch.float32 else 3e-2), (lens, dt, err)
@@ -191,7 +191,8 @@ def test_triton_kernel_in_interpreter_matches_reference():
 
 @needs_triton
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_triton_kernel_compiles_for_hopper(dtype):
+@pytest.mark.parametrize("window_cap", [False, True])
+def test_triton_kernel_compiles_for_hopper(dtype, window_cap):
     "Ahead-of-time compilation for sm_90 (an H100/H200) needs no GPU: it catches type errors the interpreter does not."
     import triton
     from triton.backends.compiler import GPUTarget
@@ -199,9 +200,10 @@ def test_triton_kernel_compiles_for_hopper(dtype):
     from llm_engine.cuda import _paged_decode_kernel
     strides = ["s_ob", "s_oh", "s_qb", "s_qh", "s_kb", "s_kt", "s_kh", "s_vb", "s_vt", "s_vh", "s_bt"]
     sig = {"out_ptr": f"*{dtype}", "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "bt_ptr": "*i64", "cl_ptr": "*i64",
-           "scale": "fp32", "block_size": "i32", **{s: "i64" for s in strides},
-           "GROUP": "constexpr", "BLOCK": "constexpr", "HEAD_DIM": "constexpr", "D_PAD": "constexpr"}
-    src = ASTSource(fn=_paged_decode_kernel, signature=sig, constexprs={"GROUP": 3, "BLOCK": 16, "HEAD_DIM": 64, "D_PAD": 64})
+           "scale": "fp32", "block_size": "i32", "window": "i32", "softcap": "fp32", **{s: "i64" for s in strides},
+           "GROUP": "constexpr", "BLOCK": "constexpr", "HEAD_DIM": "constexpr", "D_PAD": "constexpr", "WINDOW": "constexpr", "SOFTCAP": "constexpr"}
+    src = ASTSource(fn=_paged_decode_kernel, signature=sig, constexprs={"GROUP": 3, "BLOCK": 16, "HEAD_DIM": 64, "D_PAD": 64,
+                                                                        "WINDOW": window_cap, "SOFTCAP": window_cap})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2})
     assert len(compiled.asm["cubin"]) > 1000
 
