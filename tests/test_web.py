@@ -173,7 +173,7 @@ def test_trace_opens_on_click(browser, server):
     link.click()
     wait_for(lambda: f"request {rid}:" in text(browser, "trace-body"), "the trace in words")
     assert "finished at step" in text(browser, "trace-body") and text(browser, "trace-title") == rid
-    browser.find_element("css selector", f"#q-recent button.req[data-request-id='{rid}']").click()   # also from the finished list
+    click_fresh(browser, f"#q-recent button.req[data-request-id='{rid}']")   # also from the finished list (redrawn 10 times a second)
     wait_for(lambda: f"request {rid}:" in text(browser, "trace-body"), "the trace from the finished list")
     shot(browser, "chat")
     assert errors(browser) == []
