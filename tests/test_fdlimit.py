@@ -44,6 +44,14 @@ def timed_get(url) -> tuple[int, float, float]:
         while chunk := s.recv(65536): data += chunk
     return int(data.split(b" ", 2)[1]), c, time.perf_counter() - t
 
+def shown(probes) -> list[str]:
+    return [f"{c} in {dt*1e3:.0f} ms (connect {ct*1e3:.0f})" for c, ct, dt in probes]
+
+def limited_server(loop, *args) -> LoggedServer:
+    "The tiny model served under a hard open-file limit of 1,024, with a head timeout longer than the test (what keeps it answering is the cap)."
+    return LoggedServer("--model", tiny_model(), "--num-blocks", "64", "--max-model-len", "256", "--loop", loop,
+                        "--timeout-request-head", "60", *args, nofile=(1024, 1024))
+
 def somaxconn() -> str:
     try: return Path("/proc/sys/net/core/somaxconn").read_text().strip()
     except OSError: return "?"
@@ -60,10 +68,8 @@ def client_files():
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_1100_idle_connections_under_a_hard_ulimit_of_1024(loop):
-    # a head timeout longer than the test: what keeps the server answering is the cap, not the timeout
     t_start = time.perf_counter()
-    srv = LoggedServer("--model", tiny_model(), "--num-blocks", "64", "--max-model-len", "256", "--loop", loop,
-                       "--timeout-request-head", "60", nofile=(1024, 1024))
+    srv = limited_server(loop)
     socks = []
     try:
         t_start = time.perf_counter() - t_start
@@ -86,7 +92,7 @@ def test_1100_idle_connections_under_a_hard_ulimit_of_1024(loop):
         metrics = httpx.get(srv.base + "/metrics", timeout=10)
         grown = srv.log.stat().st_size - log0
         print(f"\n{loop}: started in {t_start:.0f} s; server open-file limit {test_limits}; {N} idle connections opened in {opened:.2f} s; "
-              f"/health during the burst: {[f'{c} in {dt*1e3:.0f} ms (connect {ct*1e3:.0f})' for c, ct, dt in burst]}, then while held: "
+              f"/health during the burst: {shown(burst)}, then while held: "
               f"{[f'{c} in {dt*1e3:.0f} ms' for c, _, dt in held]} (somaxconn {somaxconn()}); completion {g.status_code}; "
               f"server holding {server_fds} descriptors, {open_now} of the {N} connections still open; "
               f"log +{grown_held} B while held, +{grown} B in all; after release /health {after[0]}, chat {g2.status_code}, "
@@ -109,8 +115,7 @@ def test_1100_idle_connections_under_a_hard_ulimit_of_1024(loop):
 
 def test_out_of_descriptors_at_accept_still_answers():
     "With no reserve, accept() itself fails for want of descriptors: asyncio would stop accepting for a second at each failure."
-    srv = LoggedServer("--model", tiny_model(), "--num-blocks", "64", "--max-model-len", "256", "--loop", "asyncio",
-                       "--timeout-request-head", "60", "--fd-reserve", "0", nofile=(1024, 1024))
+    srv = limited_server("asyncio", "--fd-reserve", "0")
     socks = []
     try:
         socks = hold(srv.port, N)
@@ -121,7 +126,7 @@ def test_out_of_descriptors_at_accept_still_answers():
         stats = settle(srv.base)
         log = srv.log_text()
         failed = [int(x) for x in re.findall(r"(\d+) failed accept\(\) calls", log)]
-        print(f"\n/health: {[f'{c} in {dt*1e3:.0f} ms (connect {ct*1e3:.0f})' for c, ct, dt in health]}; failed accept() calls {failed}")
+        print(f"\n/health: {shown(health)}; failed accept() calls {failed}")
         assert sum(failed) > 0                                                # the case this test is about did happen
         assert all(c == 200 for c, _, _ in health) and max(dt - ct for _, ct, dt in health) < 1.0
         assert stats["kv_blocks_used"] == 0
