@@ -9,13 +9,15 @@ from functools import cache, cached_property
 import hashlib, os, platform, tempfile, warnings
 from pathlib import Path
 import torch
+from fastcore.basics import patch
 import torch.nn.functional as F
 import llm_engine
 from .config import cache_root, CPU_ISA
 
 # %% auto 0
-__all__ = ['DECODE_KERNEL_PATH', 'DECODE_KERNEL_SRC', 'KERNEL_DTYPES', 'plot_block_tables', 'AttentionMetadata', 'store_kv',
-           'paged_attention', 'decode_attention', 'build_cpu_kernel', 'load_decode_kernel', 'resolve_attention_backend']
+__all__ = ['DECODE_KERNEL_PATH', 'DECODE_KERNEL_SRC', 'KERNEL_DTYPES', 'KV_CODES', 'plot_block_tables', 'AttentionMetadata',
+           'store_kv', 'paged_attention', 'decode_attention', 'build_cpu_kernel', 'load_decode_kernel',
+           'run_decode_kernel', 'resolve_attention_backend', 'QuantizedKV']
 
 # %% ../nbs/03_paged_attention.ipynb
 def plot_block_tables(tables: dict, num_blocks: int, cols=4, ax=None):
@@ -98,8 +100,9 @@ class AttentionMetadata:
 # %% ../nbs/03_paged_attention.ipynb
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
     "Write `k, v` `[T, kv_heads, head_dim]` into the paged caches `[num_blocks, block_size, kv_heads, head_dim]`."
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    for x, c in ((k, k_cache), (v, v_cache)):
+        if isinstance(c, torch.Tensor): c.view(-1, *c.shape[2:]).index_copy_(0, slot_mapping, x)
+        else: c.store(x, slot_mapping)      # an 8-bit cache (the end of this notebook) encodes as it stores
 
 def _gather(cache, block_table, n):
     "The first `n` tokens of a sequence, `[n, kv_heads, head_dim]`, read through its block table."
@@ -120,7 +123,7 @@ def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float) ->
         out[start:start + ql] = o[0].transpose(0, 1)
         start += ql
     if md.num_decodes and md.decode_backend == "cpp":
-        torch.ops.llm_engine.paged_decode(out[start:], q[start:].contiguous(), k_cache, v_cache, md.decode_block_tables, md.decode_context_lens, scale)
+        run_decode_kernel(out[start:], q[start:].contiguous(), k_cache, v_cache, md.decode_block_tables, md.decode_context_lens, scale)
         return out
     for bt, mask in md.decode_groups:
         out[start:start + len(bt)] = decode_attention(q[start:start + len(bt)], k_cache, v_cache, bt, mask, scale)
@@ -164,6 +167,13 @@ def load_decode_kernel() -> str|None:
     "The paged decode kernel: `None` if loaded, else why not."
     return build_cpu_kernel("llm_engine_paged_decode", DECODE_KERNEL_SRC)
 
+def run_decode_kernel(out, q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0):
+    "The kernel over decode rows `q` into `out`, on a plain cache or an 8-bit one (the end of this notebook)."
+    if isinstance(k_cache, torch.Tensor):
+        torch.ops.llm_engine.paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale, window, softcap)
+    else: torch.ops.llm_engine.paged_decode_q8(out, q, k_cache.codes, v_cache.codes, k_cache.scales, v_cache.scales,
+                                               block_tables, context_lens, scale, window, softcap)
+
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)   # bf16 K/V are widened to fp32 in registers: the arithmetic is fp32
 
 def resolve_attention_backend(backend="auto", dtype=torch.float32, device="cpu") -> str:
@@ -176,3 +186,56 @@ def resolve_attention_backend(backend="auto", dtype=torch.float32, device="cpu")
     if backend == "cpp": raise RuntimeError(f"The C++ decode kernel is unavailable: {why}")
     warnings.warn(f"llm_engine: C++ decode kernel unavailable ({why}); using the PyTorch gather + SDPA path")
     return "torch"
+
+# %% ../nbs/03_paged_attention.ipynb
+KV_CODES = {"int8": (torch.int8, 127.0), "fp8": (torch.uint8, 448.0)}   # codes' storage, largest code
+_F8 = torch.float8_e4m3fn
+
+@dataclass
+class QuantizedKV:
+    "One layer's K or V cache in 8 bits: codes `[blocks, block_size, kv_heads, head_dim]` and one fp32 scale per block and KV head."
+    codes: torch.Tensor                # int8, or fp8 e4m3 codes as uint8
+    scales: torch.Tensor               # [blocks, kv_heads]: a block's values are its codes times its scale
+    dtype: torch.dtype = torch.float32 # what reading gives: the model's activations
+    @property
+    def shape(self): return self.codes.shape
+    @property
+    def fmt(self) -> str: return "int8" if self.codes.dtype == torch.int8 else "fp8"
+    def values(self, codes, scales) -> torch.Tensor:
+        "fp32 values of `codes` `[..., block_size, kv_heads, head_dim]` under their blocks' `scales` `[..., kv_heads]`."
+        x = codes.float() if self.fmt == "int8" else codes.view(_F8).float()
+        return x * scales[..., None, :, None]
+    def encode(self, x, scales) -> torch.Tensor:
+        "The codes of `x` under `scales` (already broadcast to `x`)."
+        y = x.float() / scales
+        if self.fmt == "int8": return y.round().clamp(-127, 127).to(torch.int8)
+        return y.clamp(-448, 448).to(_F8).view(torch.uint8)
+    def __getitem__(self, blocks) -> torch.Tensor:
+        "Blocks read back, as a plain cache's indexing gives them: `[*blocks.shape, block_size, kv_heads, head_dim]` in `dtype`."
+        return self.values(self.codes[blocks], self.scales[blocks]).to(self.dtype)
+
+    @classmethod
+    def empty(cls, num_blocks, block_size, kv_heads, head_dim, fmt="int8", dtype=torch.float32, device="cpu") -> QuantizedKV:
+        "A zeroed cache of `num_blocks` blocks."
+        if fmt not in KV_CODES: raise ValueError(f"8-bit KV cache format must be one of {list(KV_CODES)}, not {fmt!r}")
+        return cls(torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=KV_CODES[fmt][0], device=device),
+                   torch.zeros(num_blocks, kv_heads, device=device), dtype)
+
+# %% ../nbs/03_paged_attention.ipynb
+@patch
+def store(self: QuantizedKV, x, slot_mapping):
+    "Write rows `x` `[T, kv_heads, head_dim]` at `slot_mapping`, growing each touched block's scales to cover them."
+    bs, H = self.shape[1], self.shape[2]
+    touched, inv = (slot_mapping // bs).unique(return_inverse=True)
+    amax = x.detach().abs().amax(-1).float() / KV_CODES[self.fmt][1]          # [T, H]: the scale each row needs
+    need = torch.zeros(len(touched), H, device=x.device).scatter_reduce_(0, inv[:, None].expand(-1, H), amax, "amax")
+    # a block written at its first slot starts afresh: what it held belonged to its earlier owner
+    fresh = torch.zeros(len(touched), dtype=torch.bool, device=x.device).index_fill_(0, inv[slot_mapping % bs == 0], True)
+    old = self.scales[touched].masked_fill(fresh[:, None], 0.0)
+    new = torch.maximum(old, need).clamp_min(1e-30)      # an all-zero row still gets a usable scale
+    grown = ((new > old) & (old > 0)).any(1)            # blocks whose rows must be re-encoded at their new scales
+    if grown.any():
+        b = touched[grown]
+        self.codes[b] = self.encode(self.values(self.codes[b], old[grown]), new[grown][:, None, :, None])
+    self.scales[touched] = new
+    self.codes.view(-1, H, self.shape[3]).index_copy_(0, slot_mapping, self.encode(x, new[inv][..., None]))

@@ -5,7 +5,7 @@
 # %% ../nbs/11_cli.ipynb 3
 from __future__ import annotations
 import argparse, dataclasses, os, sys
-from .config import DTYPES, QUANTIZATIONS
+from .config import DTYPES, QUANTIZATIONS, KV_CACHE_DTYPES
 
 # %% auto 0
 __all__ = ['HELP', 'FLAGS', 'SKIP', 'SIZES', 'CHOICES', 'add_config_args', 'config_kw', 'build_parser', 'app_parts', 'main']
@@ -18,6 +18,7 @@ HELP = {
     "num_threads": "torch intra-op threads",
     "attention_backend": "decode attention: C++ kernel over the paged cache (cpp, CPU), Triton kernel (triton, CUDA), PyTorch gather + SDPA (torch), or auto",
     "num_blocks": "KV cache size in blocks (wins over --kv-cache-memory)", "kv_cache_memory": "KV cache size, e.g. 512MiB or 2GiB",
+    "kv_cache_dtype": "KV cache numbers: auto (the model's dtype), or 8 bits with one scale per block and head, int8 or fp8 (e4m3): half bf16's bytes, CPU only (notebook 03)",
     "swap_space": "CPU swap space for preempted sequences", "max_waiting": "queued requests before new ones get 503",
     "enable_prefix_caching": "turn the prefix cache off", "max_model_len": "prompt + output limit (default: the model's context)",
     "api_key": "require this bearer token (or env LLM_ENGINE_API_KEY)", "allowed_origins": "CORS origins, comma-separated ('*' for any)",
@@ -42,7 +43,7 @@ HELP = {
 FLAGS = {"num_threads": ["--threads", "--num-threads"], "enable_prefix_caching": ["--no-prefix-caching"]}
 SKIP = {"seed", "cache", "scheduler", "speculative"}   # the engine seed is not a CLI knob; sub-configs are flattened
 SIZES = {"kv_cache_memory", "swap_space", "max_body_bytes"}
-CHOICES = {"dtype": list(DTYPES), "quantization": list(QUANTIZATIONS), "attention_backend": ["auto", "cpp", "torch", "triton"],
+CHOICES = {"dtype": list(DTYPES), "quantization": list(QUANTIZATIONS), "kv_cache_dtype": list(KV_CACHE_DTYPES), "attention_backend": ["auto", "cpp", "torch", "triton"],
            "tool_call_parser": ["auto", "hermes", "llama3_json", "mistral", "mistral_v11"], "reasoning_parser": ["auto", "qwen3", "none"], "stream_stall_action": ["pause", "abort"], "scheduling_policy": ["fcfs", "sjf"],
            "loop": ["auto", "asyncio", "uvloop"]}
 

@@ -10,10 +10,11 @@ from pathlib import Path
 from fastcore.basics import patch
 
 # %% auto 0
-__all__ = ['FAMILIES', 'LLAMA_TYPES', 'ACTIVATIONS', 'ROPE_TYPES', 'SWITCHES', 'GENERATION_FIELDS', 'DTYPES', 'QUANTIZATIONS',
-           'ISA_NEEDS', 'ISA_MARCH', 'ISA_ENV', 'ISA_EXTRAS', 'CPU_ISA', 'BF16_CPU_FLAGS', 'ModelConfig',
-           'generation_defaults', 'parse_size', 'CacheConfig', 'SchedulerConfig', 'SpeculativeConfig', 'EngineConfig',
-           'cache_root', 'resolve_device', 'read_cpu_flags', 'CpuIsa', 'resolve_isa', 'apply_isa', 'resolve_dtype']
+__all__ = ['FAMILIES', 'LLAMA_TYPES', 'ACTIVATIONS', 'ROPE_TYPES', 'SWITCHES', 'GENERATION_FIELDS', 'KV_CACHE_DTYPES', 'DTYPES',
+           'QUANTIZATIONS', 'ISA_NEEDS', 'ISA_MARCH', 'ISA_ENV', 'ISA_EXTRAS', 'CPU_ISA', 'BF16_CPU_FLAGS',
+           'ModelConfig', 'generation_defaults', 'parse_size', 'CacheConfig', 'SchedulerConfig', 'SpeculativeConfig',
+           'EngineConfig', 'cache_root', 'resolve_device', 'read_cpu_flags', 'CpuIsa', 'resolve_isa', 'apply_isa',
+           'resolve_dtype']
 
 # %% ../nbs/00_config.ipynb
 FAMILIES = {     # Hugging Face model_type -> the switches its architecture fixes (notebook 05c); the rest come from config fields
@@ -195,6 +196,8 @@ def parse_size(s) -> int:
     if not m or m.group(2).lower() not in _UNITS: raise ValueError(f"Cannot parse size {s!r} (try '512MiB' or '2GiB')")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+
 @dataclass
 class CacheConfig:
     "How the paged KV cache is laid out and how large it is."
@@ -203,14 +206,22 @@ class CacheConfig:
     kv_cache_memory: int = 512 * 2**20 # bytes for the KV pool
     swap_space: int = 256 * 2**20      # bytes of CPU swap for preempted sequences
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"       # "auto" (the model's dtype), or 8 bits a number: "int8", "fp8" (e4m3), scaled per block and head (03)
 
     def __post_init__(self):
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
         self.swap_space = parse_size(self.swap_space)
         if self.block_size < 1: raise ValueError("block_size must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1: raise ValueError("num_blocks must be >= 1")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
 
-    def block_bytes(self, mc: ModelConfig, dtype_bytes=4) -> int: return self.block_size * mc.kv_bytes_per_token(dtype_bytes)
+    @property
+    def kv_8bit(self) -> bool: return self.kv_cache_dtype != "auto"
+    def block_bytes(self, mc: ModelConfig, dtype_bytes=4) -> int:
+        "Bytes of one block across all layers; an 8-bit cache adds one fp32 scale per layer, K/V and KV head."
+        if not self.kv_8bit: return self.block_size * mc.kv_bytes_per_token(dtype_bytes)
+        return self.block_size * mc.kv_bytes_per_token(1) + 2 * mc.num_layers * mc.num_kv_heads * 4
     def resolve_num_blocks(self, mc: ModelConfig, dtype_bytes=4) -> int:
         return self.num_blocks or max(1, self.kv_cache_memory // self.block_bytes(mc, dtype_bytes))
     def resolve_num_cpu_blocks(self, mc: ModelConfig, dtype_bytes=4) -> int:
@@ -275,6 +286,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or None), not {self.quantization!r}")
         if self.quantization and self.tensor_parallel_size > 1:
             raise ValueError("quantization is not available with tensor_parallel_size > 1: each rank loads the unquantized weights")
+        if self.cache.kv_8bit and (self.tensor_parallel_size > 1 or self.device.split(":")[0] not in ("auto", "cpu")):
+            raise ValueError(f"kv_cache_dtype {self.cache.kv_cache_dtype!r} runs on the CPU with tensor_parallel_size 1 (its kernels are the CPU's)")
 
     @classmethod
     def create(cls, model=None, **kw) -> EngineConfig:

@@ -78,10 +78,11 @@ class LLMEngine:
         dtype = getattr(torch, cfg.dtype)      # of the weights' activations and of the KV cache, sized below by its bytes
         self.model, self.model_path = load_for_serving(cfg.model, dtype, device, cfg.quantization)
         self.tokenizer = load_tokenizer(self.model_path)
-        mc, nbytes = self.model.config, torch.finfo(dtype).bits // 8
+        mc, nbytes = self.model.config, torch.finfo(dtype).bits // 8     # an 8-bit cache sizes its own blocks (00)
         num_blocks = cfg.cache.resolve_num_blocks(mc, nbytes)
         num_cpu = cfg.cache.resolve_num_cpu_blocks(mc, nbytes)
-        self.runner = ModelRunner(self.model, num_blocks, cfg.cache.block_size, num_cpu, attention_backend=cfg.attention_backend)
+        self.runner = ModelRunner(self.model, num_blocks, cfg.cache.block_size, num_cpu, attention_backend=cfg.attention_backend,
+                                  kv_cache_dtype=cfg.cache.kv_cache_dtype)
         # blocks behind a window that every layer has go back to the pool as a sequence runs (chapter 4)
         self.block_manager = BlockManager(num_blocks, cfg.cache.block_size, num_cpu, cfg.cache.enable_prefix_caching,
                                           freeable_window(mc))

@@ -14,7 +14,7 @@ from torch import nn
 from .config import FAMILIES, ModelConfig, cache_root
 from .rope import RotaryEmbedding, apply_rope
 from .layers import RMSNorm, SwiGLU
-from .attention import AttentionMetadata, store_kv, paged_attention, _gather
+from .attention import AttentionMetadata, store_kv, paged_attention, run_decode_kernel, _gather
 
 # %% auto 0
 __all__ = ['ACT_FNS', 'MANIFEST', 'DEFAULT_GGUF', 'SECOND_COPY_MAX_BYTES', 'GatedMLP', 'make_rope', 'window_prefill',
@@ -90,8 +90,8 @@ def window_attention(q, k_cache, v_cache, md: AttentionMetadata, scale, window=N
     out = torch.empty_like(q)
     start = window_prefill(out, q, k_cache, v_cache, md, scale, window, softcap)
     if md.num_decodes and md.decode_backend == "cpp" and q.device.type == "cpu":     # the kernel reads the window's blocks only (03)
-        torch.ops.llm_engine.paged_decode(out[start:], q[start:].contiguous(), k_cache, v_cache, md.decode_block_tables,
-                                          md.decode_context_lens, scale, window or 0, softcap or 0.0)
+        run_decode_kernel(out[start:], q[start:].contiguous(), k_cache, v_cache, md.decode_block_tables,
+                          md.decode_context_lens, scale, window or 0, softcap or 0.0)
     elif md.num_decodes: window_decode(out[start:], q[start:], k_cache, v_cache, md, scale, window, softcap)
     return out
 
@@ -169,7 +169,7 @@ class Llama(nn.Module):
         if mc.embedding_scale is not None: x = x * torch.tensor(mc.embedding_scale, dtype=x.dtype)
         cos_sin = self.rope.lookup(positions)   # once per step, shared by every layer
         local = cos_sin if self.local_rope is None else self.local_rope.lookup(positions)
-        if self.decode_step is not None and self.decode_step.applies(md, x): x, residual = self.decode_step(x, cos_sin, md, kv_caches)
+        if self.decode_step is not None and self.decode_step.applies(md, x, kv_caches): x, residual = self.decode_step(x, cos_sin, md, kv_caches)
         else:
             for layer, kv in zip(self.layers, kv_caches):
                 x, residual = layer(x, residual, local if layer.self_attn.window else cos_sin, md, kv)

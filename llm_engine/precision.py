@@ -295,9 +295,11 @@ class FusedDecode:
         "Take the layers' current linear modules for the nine-call path (after `prepack_linears` replaced them)."
         # module.forward, not module(): no hook machinery per call
         self.layers = [(ln1, ln2, *[q.forward for q in self._lins(l)]) for ln1, ln2, l in zip(*self.columns[:2], model.layers)]
-    def applies(self, md, x) -> bool:
+    def applies(self, md, x, kv_caches=None) -> bool:
+        "Whether this step can take the fused path: CPU rows, the C++ decode kernel, plain caches (an 8-bit one, 03, takes the layer loop)."
         return (self.attention and md.attention is None and (md.num_decodes == 0 or md.decode_backend == "cpp")
-                and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16))
+                and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+                and (not kv_caches or isinstance(kv_caches[0][0], torch.Tensor)))
     def __call__(self, x, cos_sin, md, kv_caches):
         ops, (cos, sin), residual = torch.ops.llm_engine, (t.contiguous() for t in cos_sin), self.none
         if x.shape[0] <= self.max_rows and md.num_prefill_tokens == 0:

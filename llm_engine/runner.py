@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from fastcore.basics import patch
 import torch
-from .attention import AttentionMetadata, resolve_attention_backend
+from .attention import AttentionMetadata, QuantizedKV, KV_CODES, resolve_attention_backend
 from .model import Llama, prepack_linears, keep_freed_memory, release_freed_memory
 from .scheduler import SchedulerOutput, ScheduledSeq
 
@@ -39,7 +39,8 @@ class RunnerOutput:
 class ModelRunner:
     "Owns the KV cache and the step inputs; runs the model on a `SchedulerOutput`."
     can_pool = True     # returns pooling rows' hidden states (`RunnerOutput.pooled`); the engine asks before it admits one
-    def __init__(self, model: Llama, num_blocks, block_size, num_cpu_blocks=0, prepack=True, attention_backend="auto"):
+    def __init__(self, model: Llama, num_blocks, block_size, num_cpu_blocks=0, prepack=True, attention_backend="auto",
+                 kv_cache_dtype="auto"):
         mc, dt = model.config, model.embed_tokens.weight.dtype
         self.device = model.embed_tokens.weight.device
         self.model, self.block_size = prepack_linears(model) if prepack else model, block_size
@@ -52,11 +53,21 @@ class ModelRunner:
         if self.device.type == "cpu": release_freed_memory(); keep_freed_memory()    # what packing freed goes back first
         # one block past the block manager's `num_blocks`: scratch no sequence owns, for rows computed but never kept
         shape = (mc.num_layers, 2, num_blocks + 1, block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dt, device=self.device)
+        q8 = kv_cache_dtype != "auto"       # 8-bit codes and one scale per block and KV head (notebook 03), on the CPU
+        if q8 and (kv_cache_dtype not in KV_CODES or self.device.type != "cpu"):
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: auto, or {' or '.join(KV_CODES)} on the CPU")
+        cd = KV_CODES[kv_cache_dtype][0] if q8 else dt
+        self.kv_cache = torch.zeros(shape, dtype=cd, device=self.device)
         self.scratch_slot = num_blocks * block_size
-        self.cpu_cache = torch.zeros(shape[:2] + (num_cpu_blocks,) + shape[3:], dtype=dt,
+        self.cpu_cache = torch.zeros(shape[:2] + (num_cpu_blocks,) + shape[3:], dtype=cd,
                                      pin_memory=self.device.type == "cuda")
-        self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
+        # every block move takes the scales with the codes: each pool beside its CPU twin
+        self.pools = [(self.kv_cache, self.cpu_cache)]
+        if q8:
+            self.kv_scales, self.cpu_scales = torch.zeros(shape[:3] + shape[4:5]), torch.zeros(shape[:2] + (num_cpu_blocks, shape[4]))
+            self.pools.append((self.kv_scales, self.cpu_scales))
+            self.layer_caches = [tuple(QuantizedKV(self.kv_cache[i, j], self.kv_scales[i, j], dt) for j in (0, 1)) for i in range(mc.num_layers)]
+        else: self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         self.replayer = None     # replays a step instead of running it eagerly (CUDA graphs, chapter 11a); None: always eager
 
 # %% ../nbs/07a_runner.ipynb
@@ -65,15 +76,16 @@ def _ids(pairs, side, device=None): return torch.tensor([getattr(p, side) for p 
 @patch
 def apply_block_ops(self: ModelRunner, out: SchedulerOutput):
     "Swap out, swap in, then copy-on-write: every K/V move the scheduler decided, before the forward writes."
-    if out.blocks_to_swap_out:
-        src, dst = _ids(out.blocks_to_swap_out, "src", self.device), _ids(out.blocks_to_swap_out, "dst")
-        self.cpu_cache[:, :, dst] = self.kv_cache[:, :, src].to("cpu")
-    if out.blocks_to_swap_in:
-        src, dst = _ids(out.blocks_to_swap_in, "src"), _ids(out.blocks_to_swap_in, "dst", self.device)
-        self.kv_cache[:, :, dst] = self.cpu_cache[:, :, src].to(self.device, non_blocking=True)
-    if out.blocks_to_copy:
-        src, dst = _ids(out.blocks_to_copy, "src", self.device), _ids(out.blocks_to_copy, "dst", self.device)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+    for pool, cpu in self.pools:      # the K/V pool, and an 8-bit cache's scales
+        if out.blocks_to_swap_out:
+            src, dst = _ids(out.blocks_to_swap_out, "src", self.device), _ids(out.blocks_to_swap_out, "dst")
+            cpu[:, :, dst] = pool[:, :, src].to("cpu")
+        if out.blocks_to_swap_in:
+            src, dst = _ids(out.blocks_to_swap_in, "src"), _ids(out.blocks_to_swap_in, "dst", self.device)
+            pool[:, :, dst] = cpu[:, :, src].to(self.device, non_blocking=True)
+        if out.blocks_to_copy:
+            src, dst = _ids(out.blocks_to_copy, "src", self.device), _ids(out.blocks_to_copy, "dst", self.device)
+            pool[:, :, dst] = pool[:, :, src]
 
 # %% ../nbs/07a_runner.ipynb
 @patch

@@ -5,7 +5,24 @@
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
+
+// An 8-bit cache (notebook 03) holds int8 codes, or fp8 e4m3 codes read as bytes, with one fp32 scale per block and
+// KV head. widen() gives a code's value divided by unit<C>(): for e4m3 its sign, exponent and mantissa are moved to
+// fp32's places, which is exact for normal and subnormal codes alike once multiplied by 2^120 (the bias difference,
+// 127 - 7); that factor is folded into the block's scale, so it costs nothing per element.
+struct fp8e4m3 { uint8_t bits; };
+static inline float widen(float x) { return x; }
+static inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
+static inline float widen(int8_t x) { return static_cast<float>(x); }
+static inline float widen(fp8e4m3 x) {
+  const uint32_t u = (uint32_t(x.bits & 0x80) << 24) | (uint32_t(x.bits & 0x7F) << 20);
+  float f; std::memcpy(&f, &u, 4); return f;
+}
+template <typename C> constexpr float unit() { return 1.f; }
+template <> constexpr float unit<fp8e4m3>() { return 0x1p120f; }
 #ifdef __AVX512F__
 #include <immintrin.h>
 
@@ -14,6 +31,12 @@
 static inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 ld16(const at::BFloat16* p) {     // bf16 is the top half of an fp32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline __m512 ld16(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+static inline __m512 ld16(const fp8e4m3* p) {         // as widen() above, sixteen at a time
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24),
+                                             _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7F)), 20)));
 }
 
 // four horizontal sums at once: lane j of the result is the sum of a_j's 16 lanes
@@ -56,14 +79,14 @@ static void scores_group(const float* q, int64_t D, const T* kk, int64_t kt, int
 
 // o_h += sum_t p[h * L + t] * v_t for NH heads (outputs D apart) and the n value rows at vv (vt apart)
 template <typename T, int NC, int NH>
-static void values_group(const float* p, int64_t L, const T* vv, int64_t vt, int64_t n, float* o, int64_t D) {
+static void values_group(const float* p, int64_t L, const T* vv, int64_t vt, int64_t n, float* o, int64_t D, float vs) {
   __m512 acc[NH][NC];
   for (int h = 0; h < NH; ++h) for (int c = 0; c < NC; ++c) acc[h][c] = _mm512_loadu_ps(o + h * D + c * 16);
   for (int64_t t = 0; t < n; ++t) {
     __m512 v[NC];
     for (int c = 0; c < NC; ++c) v[c] = ld16(vv + t * vt + c * 16);
     for (int h = 0; h < NH; ++h) {
-      const __m512 w = _mm512_set1_ps(p[h * L + t]);
+      const __m512 w = _mm512_set1_ps(p[h * L + t] * vs);
       for (int c = 0; c < NC; ++c) acc[h][c] = _mm512_fmadd_ps(w, v[c], acc[h][c]);
     }
   }
@@ -71,7 +94,7 @@ static void values_group(const float* p, int64_t L, const T* vv, int64_t vt, int
 }
 
 // heads h0..h1-1 of a sequence in runs that share a KV head, at most 16 / NC at a time (the registers they need)
-template <typename T, int NC, typename F>
+template <int NC, typename F>
 static void head_runs(int64_t h0, int64_t h1, int64_t G, F&& fn) {
   constexpr int64_t most = 16 / NC;
   for (int64_t h = h0; h < h1;) {
@@ -79,64 +102,68 @@ static void head_runs(int64_t h0, int64_t h1, int64_t G, F&& fn) {
     fn(h, e - h); h = e;
   }
 }
-#define NH_SWITCH(nh, F, ...) switch (nh) { case 1: F<T, NC, 1>(__VA_ARGS__); break; case 2: F<T, NC, 2>(__VA_ARGS__); break; \
-  case 3: if constexpr (NC <= 5) F<T, NC, 3>(__VA_ARGS__); break; case 4: if constexpr (NC <= 4) F<T, NC, 4>(__VA_ARGS__); break; }
+#define NH_SWITCH(nh, F, ...) switch (nh) { case 1: F<C, NC, 1>(__VA_ARGS__); break; case 2: F<C, NC, 2>(__VA_ARGS__); break; \
+  case 3: if constexpr (NC <= 5) F<C, NC, 3>(__VA_ARGS__); break; case 4: if constexpr (NC <= 4) F<C, NC, 4>(__VA_ARGS__); break; }
 #endif
 
-// one sequence's heads h0..h1-1: scores, softmax, weighted values. T: the cache's element type (float or BFloat16;
-// bf16 is widened to fp32 in registers, so the arithmetic is fp32 either way). DC: head_dim known at compile time (0: use D).
+// one sequence's heads h0..h1-1: scores, softmax, weighted values. T: the query's and output's element type (float or
+// BFloat16); C: the cache's (T, or an 8-bit code with its scales ksc, vsc [blocks, KVH]; nullptr: none). Everything is
+// widened to fp32 in registers, so the arithmetic is fp32 either way. DC: head_dim known at compile time (0: use D).
 // With a sliding window (W > 0) only the last W keys count, and only the blocks that hold them are read; with a
 // soft cap (cap > 0) each score s becomes cap * tanh(s / cap) before the softmax (Gemma 2).
-template <typename T, int DC>
-static void decode_one(T* ob_t, const T* qb_t, const T* kp, const T* vp, const int64_t* table, int64_t L,
+template <typename T, typename C, int DC>
+static void decode_one(T* ob_t, const T* qb_t, const C* kp, const C* vp, const float* ksc, const float* vsc, int64_t KVH, const int64_t* table, int64_t L,
                        int64_t H, int64_t G, int64_t Dr, int64_t bs, int64_t kb, int64_t kt, int64_t kh,
                        int64_t vb, int64_t vt, int64_t vh, float sc, std::vector<float>& s, std::vector<float>& qo,
                        int64_t h0, int64_t h1, int64_t W, float cap) {
   const int64_t D = DC ? DC : Dr, nblk = (L + bs - 1) / bs;
   const int64_t L0 = W > 0 ? std::max<int64_t>(0, L - W) : 0, i0 = L0 / bs, ls = i0 * bs;   // the first key seen, its block
   // blocks lie anywhere in the pool, which defeats the hardware prefetcher: ask for the next ones ourselves
-  auto prefetch = [&](const T* base, int64_t stride, int64_t i) {
+  auto prefetch = [&](const C* base, int64_t stride, int64_t i) {
     if (i >= nblk) return;
     const char* p = (const char*)(base + table[i] * stride);
-    for (int64_t off = 0; off < bs * kt * (int64_t)sizeof(T); off += 64) __builtin_prefetch(p + off);
+    for (int64_t off = 0; off < bs * kt * (int64_t)sizeof(C); off += 64) __builtin_prefetch(p + off);
   };
+  // block i's scale for KV head g, times the code's unit (1 for plain caches)
+  auto bscale = [&](const float* sc_, int64_t i, int64_t g) { return sc_ ? sc_[table[i] * KVH + g] * unit<C>() : 1.f; };
   s.resize(H * L); qo.resize(2 * H * D);
   float* qb = qo.data(); float* ob = qb + H * D;    // the query and the output row in fp32
   for (int64_t i = h0 * D; i < h1 * D; ++i) qb[i] = static_cast<float>(qb_t[i]);
   prefetch(kp, kb, i0); prefetch(kp, kb, i0 + 1);
   for (int64_t i = i0; i < nblk; ++i) {           // scores: every head against each key row of block i
     prefetch(kp, kb, i + 2);
-    const T* blk = kp + table[i] * kb;
+    const C* blk = kp + table[i] * kb;
     const int64_t l0 = i * bs, n = std::min(bs, L - l0);
 #ifdef __AVX512F__
     if constexpr (DC == 64 || DC == 128) {
       constexpr int NC = DC / 16;
-      head_runs<T, NC>(h0, h1, G, [&](int64_t h, int64_t nh) {
-        NH_SWITCH(nh, scores_group, qb + h * D, D, blk + (h / G) * kh, kt, n, s.data() + h * L + l0, L, sc)
+      head_runs<NC>(h0, h1, G, [&](int64_t h, int64_t nh) {
+        NH_SWITCH(nh, scores_group, qb + h * D, D, blk + (h / G) * kh, kt, n, s.data() + h * L + l0, L, sc * bscale(ksc, i, h / G))
       });
       continue;
     }
 #endif
     for (int64_t h = h0; h < h1; ++h) {
-      const float* qh = qb + h * D; const T* kk = blk + (h / G) * kh;
+      const float* qh = qb + h * D; const C* kk = blk + (h / G) * kh;
+      const float sch = sc * bscale(ksc, i, h / G);
       int64_t t = 0;
       for (; t + 4 <= n; t += 4) {               // four independent dot products at a time
         float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-        const T *k0 = kk + t * kt, *k1 = k0 + kt, *k2 = k1 + kt, *k3 = k2 + kt;
+        const C *k0 = kk + t * kt, *k1 = k0 + kt, *k2 = k1 + kt, *k3 = k2 + kt;
         #pragma omp simd reduction(+:a0,a1,a2,a3)
         for (int64_t d = 0; d < D; ++d) {
           const float x = qh[d];
-          a0 += x * static_cast<float>(k0[d]); a1 += x * static_cast<float>(k1[d]);
-          a2 += x * static_cast<float>(k2[d]); a3 += x * static_cast<float>(k3[d]);
+          a0 += x * widen(k0[d]); a1 += x * widen(k1[d]);
+          a2 += x * widen(k2[d]); a3 += x * widen(k3[d]);
         }
         float* sh = s.data() + h * L + l0 + t;
-        sh[0] = a0 * sc; sh[1] = a1 * sc; sh[2] = a2 * sc; sh[3] = a3 * sc;
+        sh[0] = a0 * sch; sh[1] = a1 * sch; sh[2] = a2 * sch; sh[3] = a3 * sch;
       }
       for (; t < n; ++t) {
-        float a = 0.f; const T* k0 = kk + t * kt;
+        float a = 0.f; const C* k0 = kk + t * kt;
         #pragma omp simd reduction(+:a)
-        for (int64_t d = 0; d < D; ++d) a += qh[d] * static_cast<float>(k0[d]);
-        s[h * L + l0 + t] = a * sc;
+        for (int64_t d = 0; d < D; ++d) a += qh[d] * widen(k0[d]);
+        s[h * L + l0 + t] = a * sch;
       }
     }
   }
@@ -154,25 +181,26 @@ static void decode_one(T* ob_t, const T* qb_t, const T* kp, const T* vp, const i
   prefetch(vp, vb, i0); prefetch(vp, vb, i0 + 1);
   for (int64_t i = i0; i < nblk; ++i) {
     prefetch(vp, vb, i + 2);
-    const T* blk = vp + table[i] * vb;
+    const C* blk = vp + table[i] * vb;
     const int64_t l0 = i * bs, n = std::min(bs, L - l0);
 #ifdef __AVX512F__
     if constexpr (DC == 64 || DC == 128) {
       constexpr int NC = DC / 16;
-      head_runs<T, NC>(h0, h1, G, [&](int64_t h, int64_t nh) {
-        NH_SWITCH(nh, values_group, s.data() + h * L + l0, L, blk + (h / G) * vh, vt, n, ob + h * D, D)
+      head_runs<NC>(h0, h1, G, [&](int64_t h, int64_t nh) {
+        NH_SWITCH(nh, values_group, s.data() + h * L + l0, L, blk + (h / G) * vh, vt, n, ob + h * D, D, bscale(vsc, i, h / G))
       });
       continue;
     }
 #endif
     for (int64_t h = h0; h < h1; ++h) {
       float acc[DC ? DC : 1024];                  // this head's output row, kept in registers when DC is known
-      float* o = ob + h * D; const T* vv = blk + (h / G) * vh; const float* p = s.data() + h * L + l0;
+      float* o = ob + h * D; const C* vv = blk + (h / G) * vh; const float* p = s.data() + h * L + l0;
+      const float vs = bscale(vsc, i, h / G);
       for (int64_t d = 0; d < D; ++d) acc[d] = o[d];
       for (int64_t t = 0; t < n; ++t) {
-        const float w = p[t]; const T* vt_ = vv + t * vt;
+        const float w = p[t] * vs; const C* vt_ = vv + t * vt;
         #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[d] += w * static_cast<float>(vt_[d]);
+        for (int64_t d = 0; d < D; ++d) acc[d] += w * widen(vt_[d]);
       }
       for (int64_t d = 0; d < D; ++d) o[d] = acc[d];
     }
@@ -180,23 +208,24 @@ static void decode_one(T* ob_t, const T* qb_t, const T* kp, const T* vp, const i
   for (int64_t i = h0 * D; i < h1 * D; ++i) ob_t[i] = static_cast<T>(ob[i]);
 }
 
-template <typename T>
+template <typename T, typename C>
 static void decode_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const int64_t* btp, const int64_t* clp, int64_t W, float sc, int64_t win, float cap) {
+                       const float* ksc, const float* vsc, const int64_t* btp, const int64_t* clp, int64_t W, float sc, int64_t win, float cap) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), bs = k_cache.size(1), G = H / k_cache.size(2);
   const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
   const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
-  const T *qp = q.data_ptr<T>(), *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  const T* qp = q.data_ptr<T>(); T* op = out.data_ptr<T>();
+  const C *kp = static_cast<const C*>(k_cache.data_ptr()), *vp = static_cast<const C*>(v_cache.data_ptr());
+  const int64_t KVH = k_cache.size(2);
   const int64_t threads = at::get_num_threads(), NT = std::max<int64_t>(1, std::min<int64_t>(threads, B));
-  auto one = D == 64 ? decode_one<T, 64> : D == 128 ? decode_one<T, 128> : decode_one<T, 0>;
+  auto one = D == 64 ? decode_one<T, C, 64> : D == 128 ? decode_one<T, C, 128> : decode_one<T, C, 0>;
   if (B < threads && H > 1) {     // fewer rows than threads (batch 1): each thread takes a share of every row's heads
     const int64_t P = std::min<int64_t>(H, (threads + B - 1) / B);
     at::parallel_for(0, B * P, 1, [&](int64_t u0, int64_t u1) {
       std::vector<float> s, qo;
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t b = u / P, part = u % P;
-        one(op + b * H * D, qp + b * H * D, kp, vp, btp + b * W, clp[b], H, G, D, bs, kb, kt, kh, vb, vt, vh, sc, s, qo,
+        one(op + b * H * D, qp + b * H * D, kp, vp, ksc, vsc, KVH, btp + b * W, clp[b], H, G, D, bs, kb, kt, kh, vb, vt, vh, sc, s, qo,
             part * H / P, (part + 1) * H / P, win, cap);
       }
     });
@@ -206,32 +235,67 @@ static void decode_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
     std::vector<float> s, qo;
     for (int64_t tid = t0; tid < t1; ++tid)
       for (int64_t b = tid; b < B; b += NT)          // round robin, as rows arrive sorted by length
-        one(op + b * H * D, qp + b * H * D, kp, vp, btp + b * W, clp[b], H, G, D, bs, kb, kt, kh, vb, vt, vh, sc, s, qo, 0, H, win, cap);
+        one(op + b * H * D, qp + b * H * D, kp, vp, ksc, vsc, KVH, btp + b * W, clp[b], H, G, D, bs, kb, kt, kh, vb, vt, vh, sc, s, qo, 0, H, win, cap);
   });
 }
 
-// out[b, h] = softmax(scale * q[b, h] . K_b) V_b, where K_b, V_b are read in place through block_tables[b]
-// (the last `window` keys only where window > 0; scores soft-capped where softcap > 0)
-static void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                         const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
+// the checks both ops share; returns the block tables and lengths made contiguous
+static std::pair<at::Tensor, at::Tensor> check_decode(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                                      const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && q.sizes() == out.sizes(), "q, out: contiguous [B, H, D]");
   const auto st = q.scalar_type();
-  TORCH_CHECK((st == at::kFloat || st == at::kBFloat16) && k_cache.scalar_type() == st && v_cache.scalar_type() == st &&
-              out.scalar_type() == st, "q, out and the caches: all fp32 or all bf16");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && k_cache.size(3) == q.size(2), "caches: [blocks, block_size, kv_heads, D]");
+  TORCH_CHECK((st == at::kFloat || st == at::kBFloat16) && out.scalar_type() == st, "q and out: both fp32 or both bf16");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && k_cache.size(3) == q.size(2) &&
+              v_cache.sizes() == k_cache.sizes(), "caches: [blocks, block_size, kv_heads, D]");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables and lengths");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), bs = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(H % KVH == 0 && block_tables.size(0) == B && context_lens.size(0) == B && D <= 1024, "shapes disagree");
   auto bt = block_tables.contiguous(); auto cl = context_lens.contiguous();
   const int64_t *btp = bt.data_ptr<int64_t>(), *clp = cl.data_ptr<int64_t>(), W = bt.size(1);
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(clp[b] >= 1 && clp[b] <= W * bs, "context length outside its block table");
+  for (int64_t i = 0; i < bt.numel(); ++i) TORCH_CHECK(btp[i] >= 0 && btp[i] < k_cache.size(0), "block table entry outside the cache");
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap: 0 (none) or positive");
-  if (st == at::kFloat) decode_all<float>(out, q, k_cache, v_cache, btp, clp, W, (float)scale, window, (float)softcap);
-  else decode_all<at::BFloat16>(out, q, k_cache, v_cache, btp, clp, W, (float)scale, window, (float)softcap);
+  return {bt, cl};
+}
+
+// out[b, h] = softmax(scale * q[b, h] . K_b) V_b, where K_b, V_b are read in place through block_tables[b]
+// (the last `window` keys only where window > 0; scores soft-capped where softcap > 0)
+static void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
+  auto [bt, cl] = check_decode(out, q, k_cache, v_cache, block_tables, context_lens, window, softcap);
+  const auto st = q.scalar_type();
+  TORCH_CHECK(k_cache.scalar_type() == st && v_cache.scalar_type() == st, "q, out and the caches: all fp32 or all bf16");
+  const int64_t *btp = bt.data_ptr<int64_t>(), *clp = cl.data_ptr<int64_t>(), W = bt.size(1);
+  if (st == at::kFloat) decode_all<float, float>(out, q, k_cache, v_cache, nullptr, nullptr, btp, clp, W, (float)scale, window, (float)softcap);
+  else decode_all<at::BFloat16, at::BFloat16>(out, q, k_cache, v_cache, nullptr, nullptr, btp, clp, W, (float)scale, window, (float)softcap);
+}
+
+// the same over an 8-bit cache: int8 codes, or fp8 e4m3 codes held as uint8, with fp32 scales [blocks, kv_heads]
+static void paged_decode_q8(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& k_scales, const at::Tensor& v_scales, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
+  auto [bt, cl] = check_decode(out, q, k_cache, v_cache, block_tables, context_lens, window, softcap);
+  const auto ct = k_cache.scalar_type();
+  TORCH_CHECK((ct == at::kChar || ct == at::kByte) && v_cache.scalar_type() == ct, "8-bit caches: int8 codes, or fp8 e4m3 codes as uint8");
+  for (const auto& s : {k_scales, v_scales})
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 && s.size(0) == k_cache.size(0) &&
+                s.size(1) == k_cache.size(2), "scales: contiguous fp32 [blocks, kv_heads]");
+  const float *ksc = k_scales.data_ptr<float>(), *vsc = v_scales.data_ptr<float>();
+  const int64_t *btp = bt.data_ptr<int64_t>(), *clp = cl.data_ptr<int64_t>(), W = bt.size(1);
+  const float sc = (float)scale, cap = (float)softcap;
+  if (q.scalar_type() == at::kFloat) {
+    if (ct == at::kChar) decode_all<float, int8_t>(out, q, k_cache, v_cache, ksc, vsc, btp, clp, W, sc, window, cap);
+    else decode_all<float, fp8e4m3>(out, q, k_cache, v_cache, ksc, vsc, btp, clp, W, sc, window, cap);
+  } else {
+    if (ct == at::kChar) decode_all<at::BFloat16, int8_t>(out, q, k_cache, v_cache, ksc, vsc, btp, clp, W, sc, window, cap);
+    else decode_all<at::BFloat16, fp8e4m3>(out, q, k_cache, v_cache, ksc, vsc, btp, clp, W, sc, window, cap);
+  }
 }
 
 TORCH_LIBRARY(llm_engine, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale, "
         "int window=0, float softcap=0.0) -> ()");
+  m.def("paged_decode_q8(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scales, Tensor v_scales, "
+        "Tensor block_tables, Tensor context_lens, float scale, int window=0, float softcap=0.0) -> ()");
 }
-TORCH_LIBRARY_IMPL(llm_engine, CPU, m) { m.impl("paged_decode", paged_decode); }
+TORCH_LIBRARY_IMPL(llm_engine, CPU, m) { m.impl("paged_decode", paged_decode); m.impl("paged_decode_q8", paged_decode_q8); }
