@@ -223,8 +223,8 @@ class QuantizedKV:
 
 # %% ../nbs/03_paged_attention.ipynb
 @patch
-def store(self: QuantizedKV, x, slot_mapping):
-    "Write rows `x` `[T, kv_heads, head_dim]` at `slot_mapping`, growing each touched block's scales to cover them."
+def store_reference(self: QuantizedKV, x, slot_mapping):
+    "Write rows `x` `[T, kv_heads, head_dim]` at `slot_mapping`, growing each touched block's scales to cover them (torch ops)."
     bs, H = self.shape[1], self.shape[2]
     touched, inv = (slot_mapping // bs).unique(return_inverse=True)
     amax = x.detach().abs().amax(-1).float() / KV_CODES[self.fmt][1]          # [T, H]: the scale each row needs
@@ -239,3 +239,10 @@ def store(self: QuantizedKV, x, slot_mapping):
         self.codes[b] = self.encode(self.values(self.codes[b], old[grown]), new[grown][:, None, :, None])
     self.scales[touched] = new
     self.codes.view(-1, H, self.shape[3]).index_copy_(0, slot_mapping, self.encode(x, new[inv][..., None]))
+
+@patch
+def store(self: QuantizedKV, x, slot_mapping):
+    "`store_reference` in one C++ call where the kernel is loaded (a dozen torch ops cost ~100 µs a layer; the call ~5)."
+    if x.device.type == "cpu" and load_decode_kernel() is None:
+        torch.ops.llm_engine.store_q8(x.detach().contiguous(), self.codes, self.scales, slot_mapping)
+    else: self.store_reference(x, slot_mapping)

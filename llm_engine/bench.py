@@ -9,13 +9,13 @@ from dataclasses import dataclass, asdict
 import torch
 
 # %% auto 0
-__all__ = ['OFFLINE_COLS', 'HTTP_COLS', 'WORDS', 'OV_RUNNER', 'PEER_COLS', 'OURS', 'SIZE_COLS', 'BENCH_SCHEMA', 'STRUCTURED_COLS',
-           'Request', 'make_workload', 'bench_hf_sequential', 'bench_hf_static', 'bench_engine', 'run_benchmark',
-           'format_table', 'main', 'bench_http_text', 'bench_http', 'llama_cpp_available', 'run_http_sweep',
-           'plot_sweep', 'TextRequest', 'make_text_workload', 'Peer', 'peers_dir', 'run_offline_peer', 'llama_server',
-           'find_peers', 'run_http_system', 'PeerRow', 'format_peer_table', 'run_peers', 'plot_peers', 'our_rows',
-           'peers_main', 'bench_state_stream', 'checkpoint_bytes_per_token', 'read_bandwidth_gbs', 'kv_bytes_per_token',
-           'bench_size', 'format_size_table', 'bench_structured']
+__all__ = ['OFFLINE_COLS', 'HTTP_COLS', 'WORDS', 'OV_RUNNER', 'PEER_COLS', 'OURS', 'MORE_OURS', 'SIZE_COLS', 'BENCH_SCHEMA',
+           'STRUCTURED_COLS', 'Request', 'make_workload', 'bench_hf_sequential', 'bench_hf_static', 'bench_engine',
+           'run_benchmark', 'format_table', 'main', 'bench_http_text', 'bench_http', 'llama_cpp_available',
+           'run_http_sweep', 'plot_sweep', 'TextRequest', 'make_text_workload', 'Peer', 'peers_dir', 'run_offline_peer',
+           'llama_server', 'find_peers', 'run_http_system', 'PeerRow', 'format_peer_table', 'run_peers', 'plot_peers',
+           'our_rows', 'peers_main', 'bench_state_stream', 'checkpoint_bytes_per_token', 'read_bandwidth_gbs',
+           'kv_bytes_per_token', 'bench_size', 'format_size_table', 'bench_structured']
 
 # %% ../nbs/12_benchmarks.ipynb
 @dataclass
@@ -109,7 +109,7 @@ def main(argv=None):
     ap.add_argument("--peers", action="store_true", help="llm_engine against llama.cpp, OpenVINO GenAI and vLLM, whichever are installed in --peers-dir")
     ap.add_argument("--peers-dir", default=None, help="with --peers: the peers folder (default: $LLM_ENGINE_PEERS, else ~/.cache/llm_engine/peers; tools/setup_peers.sh builds it)")
     ap.add_argument("--only", default=None, help="with --peers: comma-separated parts of peer names to run, e.g. 'llama,openvino'")
-    ap.add_argument("--ours", default=None, help="with --peers: which of llm_engine's rows to run, e.g. 'fp32,bf16,q4' (default: all of fp32, bf16, int8, q4, w8a8)")
+    ap.add_argument("--ours", default=None, help="with --peers: which of llm_engine's rows to run, e.g. 'fp32,bf16,q4' (default: all of fp32, bf16, int8, q4, w8a8; kv8, the int8 KV cache, when named)")
     ap.add_argument("--threads", type=int, default=2, help="with --peers: threads for every system")
     ap.add_argument("--no-http", action="store_true", help="skip the HTTP servers and the concurrency sweep")
     ap.add_argument("--structured", action="store_true", help="only the cost of constrained decoding at batch 32 (free vs JSON Schema)")
@@ -458,6 +458,9 @@ OURS = (("llm_engine", dict(dtype="float32", scheduling_policy="sjf"), "fp32, sh
         ("llm_engine int8", dict(quantization="int8", scheduling_policy="sjf"), "int8 weight-only, fp32 activations; one C++ call per layer at 1-4 rows, dequantized bf16 beyond; sjf"),
         ("llm_engine q4", dict(quantization="q4", scheduling_policy="sjf"), "the GGUF's own Q4_1 layer weights (lm_head int8), fp32 activations; one C++ call per layer at 1-4 rows, dequantized bf16 beyond; sjf"),
         ("llm_engine w8a8", dict(quantization="w8a8", scheduling_policy="sjf"), "int8 weights; from 5 rows int8 activations too (SmoothQuant, a scale per token, VNNI int8 matmul); bf16 activations and KV cache (auto here); one C++ call per layer at 1-4 rows; sjf"))
+# rows run only when `--ours` names them
+MORE_OURS = (("llm_engine kv8", dict(dtype="bfloat16", kv_cache_dtype="int8", scheduling_policy="sjf"),
+              "bf16 weights and activations, int8 KV cache (one scale per block and head, 03); the layer loop, not the fused step; sjf"),)
 
 def _run_ours(reqs, threads, n, num_blocks, log_dir, name="llm_engine", opts=None, note="") -> tuple[dict, list]:
     from llm_engine.engine import LLM
@@ -524,12 +527,13 @@ def plot_peers(res, axes=None, title=None):
 
 # %% ../nbs/12_benchmarks.ipynb
 def our_rows(keys: str|None = None) -> tuple:
-    "The rows of `OURS` named by `keys` ('fp32,q4': the last word of each row's name, fp32 for the plain one); all of them by default."
+    "The rows of `OURS` named by `keys` ('fp32,q4': the last word of each row's name, fp32 for the plain one); all of `OURS` by default (`MORE_OURS` only when named)."
     key = lambda name: name.split()[-1] if " " in name else "fp32"
     if not keys: return OURS
     want = [k.strip() for k in keys.split(",") if k.strip()]
-    if bad := [k for k in want if k not in {key(n) for n, *_ in OURS}]: raise ValueError(f"--ours: unknown rows {bad}; choose from fp32, bf16, int8, q4, w8a8")
-    return tuple(o for o in OURS if key(o[0]) in want)
+    if bad := [k for k in want if k not in {key(n) for n, *_ in OURS + MORE_OURS}]:
+        raise ValueError(f"--ours: unknown rows {bad}; choose from {', '.join(key(n) for n, *_ in OURS + MORE_OURS)}")
+    return tuple(o for o in OURS + MORE_OURS if key(o[0]) in want)
 
 def peers_main(a) -> int:
     "`llm-engine bench --peers` (arguments parsed by `main`): the table, then the JSON and its picture at `--out`."

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -292,10 +293,71 @@ static void paged_decode_q8(at::Tensor out, const at::Tensor& q, const at::Tenso
   }
 }
 
+// Storing into an 8-bit cache (notebook 03's QuantizedKV.store, in one call): the rows of one step arrive in runs that
+// share a block (a sequence's tokens are contiguous in the flat batch). Per run and KV head: the scale its rows need;
+// a run that writes its block's first slot starts the block afresh; where the block's scale must grow, the rows
+// already in it are re-encoded at the new one; then the run's rows are encoded.
+static inline int8_t encode_code(float v, int8_t*) { return static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(v)))); }
+static inline fp8e4m3 encode_code(float v, fp8e4m3*) { return fp8e4m3{c10::Float8_e4m3fn(std::max(-448.f, std::min(448.f, v))).x}; }
+template <typename C> static inline float code_value(C c) { return widen(c) * unit<C>(); }
+
+template <typename T, typename C>
+static void store_runs(const T* x, C* codes, float* scales, const int64_t* slots, int64_t n, int64_t bs, int64_t H, int64_t D, float qmax) {
+  std::vector<float> need(H);
+  for (int64_t a = 0; a < n;) {
+    const int64_t blk = slots[a] / bs;
+    int64_t e = a + 1;
+    bool fresh = slots[a] % bs == 0;
+    for (; e < n && slots[e] / bs == blk; ++e) fresh |= slots[e] % bs == 0;
+    float* sc = scales + blk * H; C* cb = codes + blk * bs * H * D;
+    std::fill(need.begin(), need.end(), 0.f);
+    for (int64_t t = a; t < e; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const T* xs = x + (t * H + h) * D; float m = need[h];
+        #pragma omp simd reduction(max:m)
+        for (int64_t d = 0; d < D; ++d) m = std::max(m, std::abs(static_cast<float>(xs[d])));
+        need[h] = m;
+      }
+    for (int64_t h = 0; h < H; ++h) {
+      const float old = fresh ? 0.f : sc[h], nw = std::max({old, need[h] / qmax, 1e-30f});
+      if (nw > old && old > 0.f)
+        for (int64_t r = 0; r < bs; ++r)
+          for (int64_t d = 0; d < D; ++d) { C& c = cb[(r * H + h) * D + d]; c = encode_code(code_value(c) * old / nw, &c); }
+      sc[h] = nw;
+    }
+    for (int64_t t = a; t < e; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const float inv = 1.f / sc[h]; const T* xs = x + (t * H + h) * D; C* cs = codes + (slots[t] * H + h) * D;
+        #pragma omp simd
+        for (int64_t d = 0; d < D; ++d) cs[d] = encode_code(static_cast<float>(xs[d]) * inv, cs + d);
+      }
+    a = e;
+  }
+}
+
+static void store_q8(const at::Tensor& x, at::Tensor codes, at::Tensor scales, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), "x: contiguous fp32 or bf16 [T, kv_heads, D]");
+  TORCH_CHECK(codes.dim() == 4 && codes.is_contiguous() && (codes.scalar_type() == at::kChar || codes.scalar_type() == at::kByte) &&
+              codes.size(2) == x.size(1) && codes.size(3) == x.size(2), "codes: contiguous int8 or fp8-as-uint8 [blocks, block_size, kv_heads, D]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == codes.size(0) &&
+              scales.size(1) == codes.size(2), "scales: contiguous fp32 [blocks, kv_heads]");
+  auto sl = slot_mapping.contiguous();
+  TORCH_CHECK(sl.scalar_type() == at::kLong && sl.numel() == x.size(0), "slot_mapping: int64, one per row");
+  const int64_t n = x.size(0), bs = codes.size(1), H = codes.size(2), D = codes.size(3), *slp = sl.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slp[i] >= 0 && slp[i] < codes.size(0) * bs, "slot outside the cache");
+  float* scp = scales.data_ptr<float>();
+  auto run = [&](auto* xp) {
+    if (codes.scalar_type() == at::kChar) store_runs(xp, static_cast<int8_t*>(codes.data_ptr()), scp, slp, n, bs, H, D, 127.f);
+    else store_runs(xp, static_cast<fp8e4m3*>(codes.data_ptr()), scp, slp, n, bs, H, D, 448.f);
+  };
+  if (x.scalar_type() == at::kFloat) run(x.data_ptr<float>()); else run(x.data_ptr<at::BFloat16>());
+}
+
 TORCH_LIBRARY(llm_engine, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale, "
         "int window=0, float softcap=0.0) -> ()");
   m.def("paged_decode_q8(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scales, Tensor v_scales, "
         "Tensor block_tables, Tensor context_lens, float scale, int window=0, float softcap=0.0) -> ()");
+  m.def("store_q8(Tensor x, Tensor(a!) codes, Tensor(b!) scales, Tensor slot_mapping) -> ()");
 }
-TORCH_LIBRARY_IMPL(llm_engine, CPU, m) { m.impl("paged_decode", paged_decode); m.impl("paged_decode_q8", paged_decode_q8); }
+TORCH_LIBRARY_IMPL(llm_engine, CPU, m) { m.impl("paged_decode", paged_decode); m.impl("paged_decode_q8", paged_decode_q8); m.impl("store_q8", store_q8); }
