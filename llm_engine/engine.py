@@ -75,10 +75,10 @@ class LLMEngine:
         device = resolve_device(cfg.device)
         # "auto" becomes the dtype in force (notebook 05b), so whoever reads the config later sees that one
         self.config = cfg = replace(cfg, dtype=resolve_dtype(cfg.dtype, device, quantization=cfg.quantization))
-        dtype = getattr(torch, cfg.dtype)      # of the weights' activations and of the KV cache, sized below by its bytes
+        dtype = getattr(torch, cfg.dtype)      # of the activations, and of the KV cache unless it is 8-bit (kv_cache_dtype)
         self.model, self.model_path = load_for_serving(cfg.model, dtype, device, cfg.quantization)
         self.tokenizer = load_tokenizer(self.model_path)
-        mc, nbytes = self.model.config, torch.finfo(dtype).bits // 8     # an 8-bit cache sizes its own blocks (00)
+        mc, nbytes = self.model.config, torch.finfo(dtype).bits // 8     # an 8-bit cache sizes its blocks itself (00)
         num_blocks = cfg.cache.resolve_num_blocks(mc, nbytes)
         num_cpu = cfg.cache.resolve_num_cpu_blocks(mc, nbytes)
         self.runner = ModelRunner(self.model, num_blocks, cfg.cache.block_size, num_cpu, attention_backend=cfg.attention_backend,
