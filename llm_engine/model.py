@@ -169,7 +169,7 @@ class Llama(nn.Module):
         if mc.embedding_scale is not None: x = x * torch.tensor(mc.embedding_scale, dtype=x.dtype)
         cos_sin = self.rope.lookup(positions)   # once per step, shared by every layer
         local = cos_sin if self.local_rope is None else self.local_rope.lookup(positions)
-        if self.decode_step is not None and self.decode_step.applies(md, x, kv_caches): x, residual = self.decode_step(x, cos_sin, md, kv_caches)
+        if self.decode_step is not None and self.decode_step.applies(md, x): x, residual = self.decode_step(x, cos_sin, md, kv_caches)
         else:
             for layer, kv in zip(self.layers, kv_caches):
                 x, residual = layer(x, residual, local if layer.self_attn.window else cos_sin, md, kv)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from pathlib import Path
 from torch import nn
 import llm_engine
-from .attention import AttentionMetadata, build_cpu_kernel, load_decode_kernel, paged_attention
+from .attention import AttentionMetadata, build_cpu_kernel, load_decode_kernel, paged_attention, store_kv, run_decode_kernel
 from .config import CPU_ISA
 from .rope import RotaryEmbedding
 from .model import (Llama, ModelConfig, SECOND_COPY_MAX_BYTES, empty_model, load_model, load_tokenizer, load_weights,
@@ -295,25 +295,28 @@ class FusedDecode:
         "Take the layers' current linear modules for the nine-call path (after `prepack_linears` replaced them)."
         # module.forward, not module(): no hook machinery per call
         self.layers = [(ln1, ln2, *[q.forward for q in self._lins(l)]) for ln1, ln2, l in zip(*self.columns[:2], model.layers)]
-    def applies(self, md, x, kv_caches=None) -> bool:
-        "Whether this step can take the fused path: CPU rows, the C++ decode kernel, plain caches (an 8-bit one, 03, takes the layer loop)."
+    def applies(self, md, x) -> bool:
         return (self.attention and md.attention is None and (md.num_decodes == 0 or md.decode_backend == "cpp")
-                and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-                and (not kv_caches or isinstance(kv_caches[0][0], torch.Tensor)))
+                and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16))
     def __call__(self, x, cos_sin, md, kv_caches):
         ops, (cos, sin), residual = torch.ops.llm_engine, (t.contiguous() for t in cos_sin), self.none
-        if x.shape[0] <= self.max_rows and md.num_prefill_tokens == 0:
+        M, plain = x.shape[0], isinstance(kv_caches[0][0], torch.Tensor)
+        if M <= self.max_rows and md.num_prefill_tokens == 0 and plain:
             ln1, ln2, *w = self.columns
             return ops.decode_layers(x, residual, ln1, ln2, self.eps, *w, cos, sin, self.nh, self.nkv, [k for k, _ in kv_caches],
                                      [v for _, v in kv_caches], md.slot_mapping, md.decode_block_tables, md.decode_context_lens, self.scale)
-        M = x.shape[0]
+        if not plain:     # an 8-bit cache (03): RoPE writes K and V to plain rows here first, then they are encoded into it
+            stage, rows = torch.empty(2, M, 1, self.nkv, kv_caches[0][0].shape[3], dtype=x.dtype), torch.arange(M)
         for (ln1, ln2, qkv, o, gate_up, down), (kc, vc) in zip(self.layers, kv_caches):
             h, residual = ops.add_rms_norm(x, residual, ln1, self.eps)
-            q = ops.rope_store(qkv(h), cos, sin, self.nh, self.nkv, kc, vc, md.slot_mapping)
+            if plain: q = ops.rope_store(qkv(h), cos, sin, self.nh, self.nkv, kc, vc, md.slot_mapping)
+            else:
+                q = ops.rope_store(qkv(h), cos, sin, self.nh, self.nkv, stage[0], stage[1], rows)
+                store_kv(stage[0].view(M, self.nkv, -1), stage[1].view(M, self.nkv, -1), kc, vc, md.slot_mapping)
             if md.num_prefill_tokens: att = paged_attention(q, kc, vc, md, self.scale)    # notebook 03: prefill rows, then decodes
             else:
                 att = torch.empty_like(q)
-                ops.paged_decode(att, q, kc, vc, md.decode_block_tables, md.decode_context_lens, self.scale)
+                run_decode_kernel(att, q, kc, vc, md.decode_block_tables, md.decode_context_lens, self.scale)
             h, residual = ops.add_rms_norm(o(att.view(M, -1)), residual, ln2, self.eps)
             x = down(ops.silu_mul(gate_up(h)))
         return x, residual
