@@ -19,13 +19,13 @@ from .tool_parsers import (render_tool_messages, tool_stream_parser, parse_tool_
                                      ReasoningStreamParser, split_reasoning, prompt_opens_think, choose_reasoning_parser)
 
 # %% auto 0
-__all__ = ['log', 'PROTECTED', 'SERVER_TEMPLATE_VARS', 'LOGPROB_FLOOR', 'router', 'TOOL_CALL_PARSERS', 'SEND_BUFFER',
-           'ServerConfig', 'clean_model_name', 'model_aliases', 'ServerContext', 'Guard', 'error_json', 'render_chat',
-           'chat_messages', 'template_kwargs', 'chat_prompt_ids', 'tools_active', 'tool_limit', 'check_token_ids',
-           'completion_prompt_ids', 'prepare', 'start', 'start_all', 'ClientGone', 'until_done', 'tok_str',
-           'json_logprob', 'chat_logprobs', 'completion_logprobs', 'join_logprobs', 'prompt_logprobs_json', 'usage',
-           'finish_reason', 'sse', 'sse_error', 'output_error', 'Cursor', 'chat_chunk', 'role_chunk', 'chat_stream',
-           'ChoiceDeltas', 'choice_parsers', 'chat_chunks', 'merge', 'EventStream', 'completion_chunk',
+__all__ = ['log', 'PROTECTED', 'SERVER_TEMPLATE_VARS', 'LOGPROB_FLOOR', 'router', 'TOOL_CALL_PARSERS', 'ACCEPT_RETRY_S',
+           'SEND_BUFFER', 'ServerConfig', 'clean_model_name', 'model_aliases', 'ServerContext', 'Guard', 'error_json',
+           'render_chat', 'chat_messages', 'template_kwargs', 'chat_prompt_ids', 'tools_active', 'tool_limit',
+           'check_token_ids', 'completion_prompt_ids', 'prepare', 'start', 'start_all', 'ClientGone', 'until_done',
+           'tok_str', 'json_logprob', 'chat_logprobs', 'completion_logprobs', 'join_logprobs', 'prompt_logprobs_json',
+           'usage', 'finish_reason', 'sse', 'sse_error', 'output_error', 'Cursor', 'chat_chunk', 'role_chunk',
+           'chat_stream', 'ChoiceDeltas', 'choice_parsers', 'chat_chunks', 'merge', 'EventStream', 'completion_chunk',
            'completion_stream', 'echo_text', 'echo_logprobs', 'needs_prompt_logprobs', 'chat_completions',
            'chat_response', 'completions', 'completion_choice', 'token_piece', 'tokenize', 'detokenize', 'health',
            'models', 'stats', 'metrics', 'debug_trace', 'load_chat_template', 'check_tool_call_parser',
@@ -820,21 +820,30 @@ def guarded_protocol(budget: FdBudget, base=AutoHTTPProtocol) -> type:
 # %% ../nbs/10_api.ipynb
 import socket
 
+ACCEPT_RETRY_S = 0.05   # asyncio's own pause after a failed accept() is 1 s: /health would wait that long
+
 class GuardedSocket(socket.socket):
     "A listening socket whose `accept` (called by asyncio's loop) makes room under `budget`'s cap before it takes more."
     budget: FdBudget|None = None
     _paused = False
-    def _pause(self):
-        self._paused = True; asyncio.get_running_loop().call_soon(setattr, self, "_paused", False)
+    def _pause(self, delay=0.0):
+        "Take no connection until the loop's next turn (or for `delay` seconds)."
+        self._paused = True
+        loop = asyncio.get_running_loop()
+        if delay: loop.call_later(delay, setattr, self, "_paused", False)
+        else: loop.call_soon(setattr, self, "_paused", False)
     def accept(self):
         if self._paused: raise BlockingIOError        # asyncio's accept loop stops here until the next turn
         b = self.budget if self.budget is not None and self.budget.connections is not None else None
         try: conn, addr = super().accept()
         except OSError as e:
             # out of descriptors all the same (something else opened files): asyncio would stop accepting for a whole
-            # second, /health included; closing a few idle connections lets the next turn go on
-            if b is None or e.errno not in _OUT_OF or not b.make_room(b.connections, at_least=max(1, b.reserve // 8)): raise
-            b.accept_errors += 1; self._pause(); raise BlockingIOError from e
+            # second, /health included; closing a few idle connections lets the next turn go on. Where none can be closed
+            # yet (all just accepted), a short pause instead: the burst's connections are idle and closable by then
+            if b is None or e.errno not in _OUT_OF: raise
+            b.accept_errors += 1
+            self._pause(0.0 if b.make_room(b.connections, at_least=max(1, b.reserve // 8)) else ACCEPT_RETRY_S)
+            raise BlockingIOError from e
         if b is not None:
             b.pending += 1
             if b.make_room(b.connections, pending=b.pending): self._pause()
