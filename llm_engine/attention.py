@@ -207,9 +207,9 @@ class QuantizedKV:
         return x * scales[..., None, :, None]
     def encode(self, x, scales) -> torch.Tensor:
         "The codes of `x` under `scales` (already broadcast to `x`)."
-        y = x.float() / scales
-        if self.fmt == "int8": return y.round().clamp(-127, 127).to(torch.int8)
-        return y.clamp(-448, 448).to(_F8).view(torch.uint8)
+        qmax = KV_CODES[self.fmt][1]
+        y = (x.float() / scales).clamp(-qmax, qmax)
+        return y.round().to(torch.int8) if self.fmt == "int8" else y.to(_F8).view(torch.uint8)
     def __getitem__(self, blocks) -> torch.Tensor:
         "Blocks read back, as a plain cache's indexing gives them: `[*blocks.shape, block_size, kv_heads, head_dim]` in `dtype`."
         return self.values(self.codes[blocks], self.scales[blocks]).to(self.dtype)

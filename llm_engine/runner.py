@@ -76,16 +76,13 @@ def _ids(pairs, side, device=None): return torch.tensor([getattr(p, side) for p 
 @patch
 def apply_block_ops(self: ModelRunner, out: SchedulerOutput):
     "Swap out, swap in, then copy-on-write: every K/V move the scheduler decided, before the forward writes."
-    for pool, cpu in self.pools:      # the K/V pool, and an 8-bit cache's scales
-        if out.blocks_to_swap_out:
-            src, dst = _ids(out.blocks_to_swap_out, "src", self.device), _ids(out.blocks_to_swap_out, "dst")
-            cpu[:, :, dst] = pool[:, :, src].to("cpu")
-        if out.blocks_to_swap_in:
-            src, dst = _ids(out.blocks_to_swap_in, "src"), _ids(out.blocks_to_swap_in, "dst", self.device)
-            pool[:, :, dst] = cpu[:, :, src].to(self.device, non_blocking=True)
-        if out.blocks_to_copy:
-            src, dst = _ids(out.blocks_to_copy, "src", self.device), _ids(out.blocks_to_copy, "dst", self.device)
-            pool[:, :, dst] = pool[:, :, src]
+    pairs = lambda moves, src_dev, dst_dev: (_ids(moves, "src", src_dev), _ids(moves, "dst", dst_dev)) if moves else None
+    out_, in_ = pairs(out.blocks_to_swap_out, self.device, None), pairs(out.blocks_to_swap_in, None, self.device)
+    cow = pairs(out.blocks_to_copy, self.device, self.device)
+    for pool, cpu in self.pools:      # the K/V pool, and an 8-bit cache's scales: the same moves
+        if out_: cpu[:, :, out_[1]] = pool[:, :, out_[0]].to("cpu")
+        if in_: pool[:, :, in_[1]] = cpu[:, :, in_[0]].to(self.device, non_blocking=True)
+        if cow: pool[:, :, cow[1]] = pool[:, :, cow[0]]
 
 # %% ../nbs/07a_runner.ipynb
 @patch
