@@ -51,12 +51,33 @@ function drawBlocks(f) {
 
 function requestButton(id, label) {
   const b = document.createElement("button");
-  b.type = "button"; b.className = "req" + (id === selected ? " selected" : ""); b.title = id; b.dataset.requestId = id;
+  b.type = "button"; b.className = "req"; b.title = id; b.dataset.requestId = id;
   const sw = document.createElement("span");
   sw.className = "swatch"; sw.style.backgroundColor = colorOf(id);
-  b.append(sw, label);
+  b.append(sw, document.createTextNode(label));
   b.addEventListener("click", () => selectRequest(id));
   return b;
+}
+
+// Frames come several times a second: rebuilding the lists each time would swap a button out between a user's
+// mousedown and mouseup and lose the click. So a request keeps its <li> while it stays in a list; only its words,
+// its highlight and the order change in place.
+function syncList(ol, rows, more = "") {
+  const old = new Map([...ol.children].filter((li) => li.dataset.requestId).map((li) => [li.dataset.requestId, li]));
+  const lis = rows.map(([id, label]) => {
+    let li = old.get(id);
+    if (!li) { li = document.createElement("li"); li.dataset.requestId = id; li.append(requestButton(id, label)); }
+    const b = li.firstChild;
+    if (b.lastChild.nodeValue !== label) b.lastChild.nodeValue = label;
+    b.classList.toggle("selected", id === selected);
+    return li;
+  });
+  if (more) {
+    const li = [...ol.children].find((li) => !li.dataset.requestId) || document.createElement("li");
+    if (li.textContent !== more) li.textContent = more;
+    lis.push(li);
+  }
+  if (lis.length !== ol.children.length || lis.some((li, i) => ol.children[i] !== li)) ol.replaceChildren(...lis);
 }
 
 const short = (id) => (id.length > 14 ? id.slice(0, 12) + "…" : id);
@@ -65,13 +86,10 @@ function drawQueues(f) {
   for (const name of ["running", "waiting", "swapped"]) {
     const ol = $(`q-${name}`), items = f.queues[name];
     $(`count-${name}`).textContent = f.counts[name];
-    ol.replaceChildren(...items.map((s) => {
-      const li = document.createElement("li");
+    syncList(ol, items.map((s) => {
       const tok = `${s.prompt_tokens}+${s.output_tokens} tok` + (name === "running" ? `, ${s.computed} in KV` : "") + (s.paused ? " (paused)" : "");
-      li.append(requestButton(s.request_id, ` ${short(s.request_id)} · ${tok}`));
-      return li;
-    }));
-    if (f.counts[name] > items.length) { const li = document.createElement("li"); li.textContent = `… ${f.counts[name] - items.length} more`; ol.append(li); }
+      return [s.request_id, ` ${short(s.request_id)} · ${tok}`];
+    }), f.counts[name] > items.length ? `… ${f.counts[name] - items.length} more` : "");
   }
   if (f.finished) recent = f.finished.map(([id, step, why]) => [id, ` ${short(id)} · ${why}`]);   // from the trace
   else {                            // no trace on the server: the requests this page saw leave the queues
@@ -79,7 +97,7 @@ function drawQueues(f) {
     for (const id of lastIds) if (!now.has(id)) recent = [[id, ` ${short(id)}`], ...recent.filter((r) => r[0] !== id)].slice(0, RECENT);
     lastIds = now;
   }
-  $("q-recent").replaceChildren(...recent.map(([id, label]) => { const li = document.createElement("li"); li.append(requestButton(id, label)); return li; }));
+  syncList($("q-recent"), recent);
 }
 
 function spark(id, xs) {
