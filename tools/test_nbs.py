@@ -4,7 +4,8 @@
 behind (models, KV caches, glibc arenas that never shrink) adds up: one worker held 13 GB by chapter 08,
 and on CI's 24 GB machine the kernel's OOM killer ended a worker, which broke the whole pool
 (`BrokenProcessPool`, and a SIGTERM to the notebook running beside it). Here a worker runs one notebook
-and exits (`max_tasks_per_child=1`), and each notebook's time and peak memory are printed.
+and exits (`max_tasks_per_child=1`), and each notebook's time and peak memory are printed. Workers share the
+cores (`OMP_NUM_THREADS`), never oversubscribe them.
 
     python tools/test_nbs.py --flags slow            # all of nbs/, two at a time
     python tools/test_nbs.py --path nbs/05b_precision.ipynb
@@ -37,6 +38,9 @@ def main(argv=None) -> int:
     nbs = get_config().nbs_path
     files = [Path(a.path).absolute()] if a.path else sorted(f for f in nbs.glob("*.ipynb") if not f.name.startswith("_"))
     failed, start = [], time.time()
+    # each worker gets its share of the cores: two notebooks of 2 OpenMP threads each on 2 cores spin against each
+    # other (transformers' generate ran 6x slower beside a copy of itself than alone; 1 thread each, 1.5x)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // a.n_workers)))
     # spawn, not fork: a worker must not inherit this process's state, and max_tasks_per_child needs it
     with ProcessPoolExecutor(a.n_workers, mp_context=get_context("spawn"), max_tasks_per_child=1) as ex:
         futs = {ex.submit(_one, str(f), a.flags): f for f in files}
