@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_model.ipynb 3
 from __future__ import annotations
-import ctypes, ctypes.util, hashlib, importlib.util, json, math, os, re, shutil, sys, warnings
+import contextlib, ctypes, ctypes.util, hashlib, importlib.util, json, math, os, re, shutil, sys, warnings
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -20,7 +20,7 @@ from .attention import AttentionMetadata, store_kv, paged_attention, run_decode_
 __all__ = ['ACT_FNS', 'MANIFEST', 'DEFAULT_GGUF', 'SECOND_COPY_MAX_BYTES', 'GatedMLP', 'make_rope', 'window_prefill',
            'window_decode', 'window_attention', 'LlamaAttention', 'LlamaDecoderLayer', 'Llama', 'weight_files',
            'safetensors_header', 'load_weights', 'clean_stale_temps', 'write_manifest', 'check_cached_model',
-           'default_gguf_path', 'gguf_config', 'convert_gguf', 'resolve_model', 'cached_conversion',
+           'default_gguf_path', 'gguf_config', 'one_gguf_read', 'convert_gguf', 'resolve_model', 'cached_conversion',
            'warn_window_paths', 'empty_model', 'load_model', 'load_tokenizer', 'PackedLinear', 'bound_onednn_caches',
            'release_freed_memory', 'model_bytes', 'second_copy_pays', 'prepack_linears', 'keep_freed_memory']
 
@@ -376,6 +376,21 @@ def gguf_config(gguf: Path):
     for k, v in meta.items(): setattr(cfg, k, v)
     return cfg
 
+@contextlib.contextmanager
+def one_gguf_read():
+    "Within the block, gguf's reader parses each file once, and every later open of it gets that reader."
+    # transformers opens the GGUF anew for the config, the weights and the tokenizer, and gguf-py parses a 49k-token
+    # vocabulary element by element (3.6 s a read for SmolLM2): reading it once takes a first start from 16 s to 10 s
+    import gguf as gguf_py
+    real, readers = gguf_py.GGUFReader, {}
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers: readers[key] = real(path, mode)
+        return readers[key]
+    gguf_py.GGUFReader = reader
+    try: yield
+    finally: gguf_py.GGUFReader = real
+
 def convert_gguf(gguf: Path, out: Path) -> Path:
     "De-quantize a GGUF file of a family we serve into a Hugging Face folder (safetensors + config + tokenizer) at `out`."
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -383,10 +398,11 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     with open(gguf, "rb") as f:
         if f.read(4) != b"GGUF": raise ValueError(f"{gguf} is not a GGUF file (bad magic bytes)")
     try:
-        cfg = gguf_config(gguf)
-        ModelConfig.from_hf(cfg)    # refuse an architecture we do not serve before the slow part
-        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=cfg, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with one_gguf_read():
+            cfg = gguf_config(gguf)
+            ModelConfig.from_hf(cfg)    # refuse an architecture we do not serve before the slow part
+            hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=cfg, dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except ValueError as e:
         raise ValueError(f"Could not read GGUF file {gguf}: {e}" + ("" if "Unsupported architecture" in str(e) else
                          f" (families served: {', '.join(FAMILIES)})")) from None
