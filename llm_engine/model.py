@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_model.ipynb 3
 from __future__ import annotations
-import contextlib, ctypes, ctypes.util, hashlib, importlib.util, json, math, os, re, shutil, sys, warnings
+import contextlib, ctypes, ctypes.util, hashlib, importlib.util, json, math, os, re, shutil, sys, threading, warnings
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -376,20 +376,24 @@ def gguf_config(gguf: Path):
     for k, v in meta.items(): setattr(cfg, k, v)
     return cfg
 
+_GGUF_PATCH = threading.Lock()
+
 @contextlib.contextmanager
 def one_gguf_read():
     "Within the block, gguf's reader parses each file once, and every later open of it gets that reader."
     # transformers opens the GGUF anew for the config, the weights and the tokenizer, and gguf-py parses a 49k-token
-    # vocabulary element by element (3.6 s a read for SmolLM2): reading it once takes a first start from 16 s to 10 s
+    # vocabulary element by element (3.6 s a read for SmolLM2): reading it once takes a first start from 16 s to 10 s.
+    # The module attribute is process-wide: one block at a time, or two threads' restores could leave a patch behind
     import gguf as gguf_py
-    real, readers = gguf_py.GGUFReader, {}
-    def reader(path, mode="r"):
-        key = (os.path.realpath(path), mode)
-        if key not in readers: readers[key] = real(path, mode)
-        return readers[key]
-    gguf_py.GGUFReader = reader
-    try: yield
-    finally: gguf_py.GGUFReader = real
+    with _GGUF_PATCH:
+        real, readers = gguf_py.GGUFReader, {}
+        def reader(path, mode="r"):
+            key = (os.path.realpath(path), mode)
+            if key not in readers: readers[key] = real(path, mode)
+            return readers[key]
+        gguf_py.GGUFReader = reader
+        try: yield
+        finally: gguf_py.GGUFReader = real
 
 def convert_gguf(gguf: Path, out: Path) -> Path:
     "De-quantize a GGUF file of a family we serve into a Hugging Face folder (safetensors + config + tokenizer) at `out`."

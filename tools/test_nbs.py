@@ -40,9 +40,11 @@ def main(argv=None) -> int:
     failed, start = [], time.time()
     # each worker gets its share of the cores: two notebooks of 2 OpenMP threads each on 2 cores spin against each
     # other (transformers' generate ran 6x slower beside a copy of itself than alone; 1 thread each, 1.5x)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // a.n_workers)))
+    # (one notebook alone gets every core)
+    workers = max(1, min(a.n_workers, len(files)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
     # spawn, not fork: a worker must not inherit this process's state, and max_tasks_per_child needs it
-    with ProcessPoolExecutor(a.n_workers, mp_context=get_context("spawn"), max_tasks_per_child=1) as ex:
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), max_tasks_per_child=1) as ex:
         futs = {ex.submit(_one, str(f), a.flags): f for f in files}
         for fut in as_completed(futs):
             f = futs[fut]
