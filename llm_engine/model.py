@@ -19,10 +19,11 @@ from .attention import AttentionMetadata, store_kv, paged_attention, run_decode_
 # %% auto 0
 __all__ = ['ACT_FNS', 'MANIFEST', 'DEFAULT_GGUF', 'SECOND_COPY_MAX_BYTES', 'GatedMLP', 'make_rope', 'window_prefill',
            'window_decode', 'window_attention', 'LlamaAttention', 'LlamaDecoderLayer', 'Llama', 'weight_files',
-           'safetensors_header', 'load_weights', 'clean_stale_temps', 'write_manifest', 'check_cached_model',
-           'default_gguf_path', 'gguf_config', 'one_gguf_read', 'convert_gguf', 'resolve_model', 'cached_conversion',
-           'warn_window_paths', 'empty_model', 'load_model', 'load_tokenizer', 'PackedLinear', 'bound_onednn_caches',
-           'release_freed_memory', 'model_bytes', 'second_copy_pays', 'prepack_linears', 'keep_freed_memory']
+           'safetensors_header', 'weights_in_own_maps', 'load_weights', 'clean_stale_temps', 'write_manifest',
+           'check_cached_model', 'default_gguf_path', 'gguf_config', 'one_gguf_read', 'convert_gguf', 'resolve_model',
+           'cached_conversion', 'warn_window_paths', 'empty_model', 'load_model', 'load_tokenizer', 'PackedLinear',
+           'bound_onednn_caches', 'release_freed_memory', 'model_bytes', 'second_copy_pays', 'prepack_linears',
+           'keep_freed_memory']
 
 # %% ../nbs/05_model.ipynb
 ACT_FNS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
@@ -151,12 +152,16 @@ class Llama(nn.Module):
     def __init__(self, mc: ModelConfig):
         super().__init__()
         self.config = mc
-        self.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size)
+        # on the meta device (`empty_model`) a random init has nothing to fill, and an Embedding's normal_ there goes through
+        # torch's Python reference ops, which import torch._dynamo: 144 MB of RSS and a second of start-up for nothing
+        meta = torch.empty(0).is_meta
+        self.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size, _weight=torch.empty(mc.vocab_size, mc.hidden_size) if meta else None)
         self.layers = nn.ModuleList(LlamaDecoderLayer(mc, i) for i in range(mc.num_layers))
         self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
         self.lm_head = nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
         if mc.tie_word_embeddings: self.lm_head.weight = self.embed_tokens.weight
-        self.build_rope()
+        self.rope = self.local_rope = None
+        if not meta: self.build_rope()      # on the meta device too its arange would import torch._dynamo: `empty_model` builds them
     def build_rope(self, device=None):
         "The cos/sin tables (on `device`): one for every layer, and the windowed layers' own where their base differs (Gemma 3)."
         mc, to = self.config, (lambda r: r if device is None else r.to(device))
@@ -242,9 +247,19 @@ def _mapped(f, start: int, e: dict) -> torch.Tensor:
     try: return torch.from_file(str(f), shared=False, size=start + b, dtype=torch.uint8)[start + a:start + b].view(_ST_DTYPES[e["dtype"]]).view(tuple(e["shape"]))
     except (RuntimeError, KeyError): return None     # an offset the dtype cannot view, say: read it instead
 
+def weights_in_own_maps() -> bool:
+    "Ask glibc to give every block of 1 MiB or more its own mapping (set while weights are read); False where unsupported."
+    # glibc's mmap threshold grows with each large block freed, so weights made while a file is read (quantized as read,
+    # or packed) landed in the heap between the read buffers freed around them; the holes they left were refilled by the
+    # first prefill's activations: a 1.1B int8 server reached 1,826 MB after a 2,000-token prompt, 1,660 MB with this
+    try: libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError: return False
+    return hasattr(libc, "mallopt") and bool(libc.mallopt(-3, 1 << 20))     # M_MMAP_THRESHOLD
+
 def load_weights(model: Llama, path, when_full=None):
     "Read the safetensors weights in folder `path` into `model`; clear errors for missing, corrupt or misshaped tensors."
     # read(), not a memory map: a mapped shard's pages count in the RSS until it is closed (a 5 GB shard: 5 GB on top)
+    weights_in_own_maps()
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
     unread = Counter(n.rpartition(".")[0] for n in params)     # per module: its parameters not yet read in full

@@ -18,8 +18,8 @@ from .model import (Llama, ModelConfig, SECOND_COPY_MAX_BYTES, empty_model, load
                               resolve_model, second_copy_pays, warn_window_paths)
 
 # %% auto 0
-__all__ = ['STEP_KERNELS_SRC', 'NO_SCALES', 'Q4_GROUP', 'Q4_BYTES', 'W8A8_ALPHA', 'CALIBRATION_CHAT', 'QUANTIZERS', 'AS_READ',
-           'load_step_kernels', 'widen_buffer', 'WeightOnlyLinear', 'int8_rows', 'Int8Linear', 'Bf16Linear',
+__all__ = ['STEP_KERNELS_SRC', 'NO_SCALES', 'WIDEN_CHUNK', 'Q4_GROUP', 'Q4_BYTES', 'W8A8_ALPHA', 'CALIBRATION_CHAT', 'QUANTIZERS',
+           'AS_READ', 'load_step_kernels', 'widen_buffer', 'WeightOnlyLinear', 'int8_rows', 'Int8Linear', 'Bf16Linear',
            'quantize_q4', 'dequantize_q4', 'Q4Linear', 'forward_logits', 'calibration_ids', 'activation_ranges',
            'W8A8Linear', 'quantize_linears', 'bound_dequantized_copies', 'replace_linears', 'FusedDecode',
            'widen_bf16_linears', 'fuse_decode', 'load_for_serving', 'Agreement', 'compare_logits', 'best_of',
@@ -40,6 +40,9 @@ def widen_buffer(n: int, dtype=torch.float32) -> torch.Tensor:
     return _WIDE[dtype][:n]
 
 NO_SCALES = torch.empty(0)
+# weights widened at a time for a large batch: a 1.1B model's gate/up matrix is 23M weights (92 MB in fp32, 46 in
+# bf16); a block of rows at a time keeps the buffer at 16 or 8 MB whatever the model
+WIDEN_CHUNK = 1 << 22
 
 class WeightOnlyLinear(nn.Module):
     "A linear layer whose weight is stored in fewer bits and widened to fp32 inside the matmul; subclasses say how."
@@ -56,7 +59,9 @@ class WeightOnlyLinear(nn.Module):
         self.packed = None                           # the dequantized bf16 weight for large batches, made on first use
     def few_rows(self, x2): "`x2 @ W.T` for a decode step's few rows, or None to take the large-batch path."
     def dequantized(self) -> torch.Tensor: "The fp32 weight `[out, in]` the stored one stands for."
-    def dequantize_into(self, out: torch.Tensor): "Write `dequantized()` into `out` (subclasses: without temporaries)."; out.copy_(self.dequantized())
+    def dequantize_into(self, out: torch.Tensor, row: int = 0) -> torch.Tensor:
+        "Write rows `row:row + len(out)` of `dequantized()` into `out` and return it (subclasses: without temporaries)."
+        return out.copy_(self.dequantized()[row:row + out.shape[0]])
     def forward(self, x):
         lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features)
         y = self.few_rows(x2) if x.device.type == "cpu" and x2.shape[0] <= self.small_batch else None
@@ -66,10 +71,15 @@ class WeightOnlyLinear(nn.Module):
     def large_batch(self, x2):
         "Large batches are compute-bound: a bf16 matmul on the dequantized weight made once, or without bf16 arithmetic an fp32 one on it widened per call."
         if x2.device.type == "cpu" and (self.widen_large or not self.keep_copy):  # no second copy of the weights: one shared buffer
-            dt = torch.float32 if self.widen_large else torch.bfloat16
-            w = widen_buffer(self.out_features * self.in_features, dt).view(self.out_features, self.in_features)
-            self.dequantize_into(w)
-            return F.linear(x2.to(dt), w)
+            dt, N, K = torch.float32 if self.widen_large else torch.bfloat16, self.out_features, self.in_features
+            x, step = x2.to(dt), max(1, min(N, WIDEN_CHUNK // K))
+            buf = widen_buffer(step * K, dt)
+            if step == N: return F.linear(x, self.dequantize_into(buf.view(N, K)))
+            y = torch.empty(x.shape[0], N, dtype=dt)
+            for r in range(0, N, step):     # the product lands in its columns of `y` in place (the BLAS's leading dimension)
+                n = min(step, N - r)
+                torch.mm(x, self.dequantize_into(buf[:n * K].view(n, K), r).t(), out=y[:, r:r + n])
+            return y
         onednn = x2.device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         if self.packed is None:     # packed for oneDNN where it has bf16, else kept plain for F.linear
             w = self.dequantized().to(x2.device, torch.bfloat16)
@@ -98,10 +108,11 @@ class Int8Linear(WeightOnlyLinear):
         if self.kernel: return torch.ops.llm_engine.int8_linear(x2, self.weight, self.scales)
         return torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.weight, self.scales.to(torch.bfloat16))
     def dequantized(self): return self.weight.float() * self.scales.float()[:, None]
-    def dequantize_into(self, out):
+    def dequantize_into(self, out, row=0):
+        w, s = self.weight[row:row + out.shape[0]], self.scales[row:row + out.shape[0]]
         if out.dtype == torch.bfloat16:     # q·s is exact in fp32 and rounded to bf16 once either way; int8 times fp32 into a
-            out.copy_(self.weight); out.mul_(self.scales.to(out.dtype)[:, None])    # bf16 tensor took 40x as long (one 23M-weight matrix: 674 ms vs 17)
-        else: torch.mul(self.weight, self.scales.float()[:, None], out=out)
+            return out.copy_(w).mul_(s.to(out.dtype)[:, None])    # bf16 tensor took 40x as long (one 23M-weight matrix: 674 ms vs 17)
+        return torch.mul(w, s.float()[:, None], out=out)
 
 class Bf16Linear(WeightOnlyLinear):
     "bf16 weights on a CPU without bf16 arithmetic (AVX2): widened to fp32 in our kernel for a few rows, per call for more."
@@ -110,7 +121,7 @@ class Bf16Linear(WeightOnlyLinear):
         self.register_buffer("weight", lin.weight.detach().to(torch.bfloat16))   # the same tensor when already bf16: a tied lm_head stays one copy
     def few_rows(self, x2): return torch.ops.llm_engine.int8_linear(x2, self.weight, NO_SCALES) if self.kernel else None
     def dequantized(self): return self.weight.float()
-    def dequantize_into(self, out): out.copy_(self.weight)
+    def dequantize_into(self, out, row=0): return out.copy_(self.weight[row:row + out.shape[0]])
 
 
 # %% ../nbs/05b_precision.ipynb
@@ -146,9 +157,10 @@ class Q4Linear(WeightOnlyLinear):
         self.register_buffer("weight", quantize_q4(lin.weight))
     def few_rows(self, x2): return torch.ops.llm_engine.q4_linear(x2, self.weight) if self.kernel else None
     def dequantized(self): return dequantize_q4(self.weight)
-    def dequantize_into(self, out):
-        if self.kernel: torch.ops.llm_engine.q4_dequantize(self.weight, out)
-        else: out.copy_(self.dequantized())
+    def dequantize_into(self, out, row=0):
+        w = self.weight[row:row + out.shape[0]]       # whole rows of blocks: contiguous
+        if self.kernel: torch.ops.llm_engine.q4_dequantize(w, out); return out
+        return out.copy_(dequantize_q4(w))
 
 # %% ../nbs/05b_precision.ipynb
 def forward_logits(model, ids: list[int], block_size: int = 16) -> torch.Tensor:
