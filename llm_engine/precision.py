@@ -87,9 +87,10 @@ class WeightOnlyLinear(nn.Module):
         return (torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16), self.packed, None, "none", [], "") if onednn
                 else F.linear(x2.to(torch.bfloat16), self.packed))
 
-def int8_rows(w: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_rows(w: torch.Tensor, chunk: int|None = None) -> tuple[torch.Tensor, torch.Tensor]:
     "`w` [N, K] as int8 with one scale per row, symmetric: `(q, scales)`, q int8 [N, K], scales bf16 [N]."
     q, scales = torch.empty(w.shape, dtype=torch.int8), torch.empty(w.shape[0], dtype=torch.bfloat16)
+    chunk = chunk or max(1, (1 << 17) // w.shape[1])    # as `quantize_q4` (below): fp32 temporaries of 512 KiB
     for r in range(0, w.shape[0], chunk):   # rows a chunk at a time: a 1.1B model's 400 MB output head made 1.2 GB of temporaries
         c = w[r:r + chunk].detach().float()
         # the scale is rounded to bf16 first, so the int8 values are chosen for the scale the kernel will use
@@ -127,11 +128,15 @@ class Bf16Linear(WeightOnlyLinear):
 # %% ../nbs/05b_precision.ipynb
 Q4_GROUP, Q4_BYTES = 32, 20      # weights per block; bytes per block: d and m (fp16), then 16 bytes of two nibbles each
 
-def quantize_q4(w: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+def quantize_q4(w: torch.Tensor, chunk: int|None = None) -> torch.Tensor:
     "`w` [N, K] as Q4_1 blocks, uint8 [N, K/32 * 20]; per row all (d, m) pairs, then the blocks' bytes interleaved two by two."
     N, K = w.shape
     if K % (2 * Q4_GROUP): raise ValueError(f"q4 needs an input width that is a multiple of {2 * Q4_GROUP}, not {K}")
-    if N > chunk:     # rows a chunk at a time: the temporaries of a 1.1B model's gate_up were 0.4 GB at once
+    # rows a chunk at a time: the temporaries of a 1.1B model's gate_up were 0.4 GB at once. 128K weights a chunk keep
+    # each fp32 temporary at 512 KiB, under the 1 MiB past which a load maps blocks afresh (`weights_in_own_maps`, 05):
+    # that model's q4 load took 12.3 s with 1,024-row chunks, page-faulting every temporary, and 7.2 s without the maps
+    chunk = chunk or max(1, (1 << 17) // K)
+    if N > chunk:
         return torch.cat([quantize_q4(w[r:r + chunk], chunk) for r in range(0, N, chunk)])
     g = w.detach().float().reshape(N, K // Q4_GROUP, Q4_GROUP)
     lo = g.amin(-1)
