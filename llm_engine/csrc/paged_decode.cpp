@@ -297,12 +297,17 @@ static void paged_decode_q8(at::Tensor out, const at::Tensor& q, const at::Tenso
 // share a block (a sequence's tokens are contiguous in the flat batch). Per run and KV head: the scale its rows need;
 // a run that writes its block's first slot starts the block afresh; where the block's scale must grow, the rows
 // already in it are re-encoded at the new one; then the run's rows are encoded.
-static inline int8_t encode_code(float v, int8_t*) { return static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(v)))); }
-static inline fp8e4m3 encode_code(float v, fp8e4m3*) { return fp8e4m3{c10::Float8_e4m3fn(std::max(-448.f, std::min(448.f, v))).x}; }
+// the largest code of each format: notebook 03's KV_CODES holds the same two numbers, and its tests hold them equal
+template <typename C> constexpr float max_code();
+template <> constexpr float max_code<int8_t>() { return 127.f; }
+template <> constexpr float max_code<fp8e4m3>() { return 448.f; }
+static inline int8_t encode_code(float v, int8_t*) { return static_cast<int8_t>(std::max(-max_code<int8_t>(), std::min(max_code<int8_t>(), std::nearbyint(v)))); }
+static inline fp8e4m3 encode_code(float v, fp8e4m3*) { return fp8e4m3{c10::Float8_e4m3fn(std::max(-max_code<fp8e4m3>(), std::min(max_code<fp8e4m3>(), v))).x}; }
 template <typename C> static inline float code_value(C c) { return widen(c) * unit<C>(); }
 
 template <typename T, typename C>
-static void store_runs(const T* x, C* codes, float* scales, const int64_t* slots, int64_t n, int64_t bs, int64_t H, int64_t D, float qmax) {
+static void store_runs(const T* x, C* codes, float* scales, const int64_t* slots, int64_t n, int64_t bs, int64_t H, int64_t D) {
+  constexpr float qmax = max_code<C>();
   std::vector<float> need(H);
   for (int64_t a = 0; a < n;) {
     const int64_t blk = slots[a] / bs;
@@ -347,8 +352,8 @@ static void store_q8(const at::Tensor& x, at::Tensor codes, at::Tensor scales, c
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slp[i] >= 0 && slp[i] < codes.size(0) * bs, "slot outside the cache");
   float* scp = scales.data_ptr<float>();
   auto run = [&](auto* xp) {
-    if (codes.scalar_type() == at::kChar) store_runs(xp, static_cast<int8_t*>(codes.data_ptr()), scp, slp, n, bs, H, D, 127.f);
-    else store_runs(xp, static_cast<fp8e4m3*>(codes.data_ptr()), scp, slp, n, bs, H, D, 448.f);
+    if (codes.scalar_type() == at::kChar) store_runs(xp, static_cast<int8_t*>(codes.data_ptr()), scp, slp, n, bs, H, D);
+    else store_runs(xp, static_cast<fp8e4m3*>(codes.data_ptr()), scp, slp, n, bs, H, D);
   };
   if (x.scalar_type() == at::kFloat) run(x.data_ptr<float>()); else run(x.data_ptr<at::BFloat16>());
 }
