@@ -49,7 +49,14 @@ if ! skip llama; then
   if [ -z "$SDIST" ]; then "$PY" -m pip download --no-binary :all: --no-deps llama-cpp-python -d src; SDIST=$(ls src/llama_cpp_python-*.tar.gz | head -1); fi
   LS="src/$(basename "$SDIST" .tar.gz)"; [ -d "$LS" ] || tar xzf "$SDIST" -C src
   LC="$LS/vendor/llama.cpp"
-  cmake -S "$LC" -B llama.cpp/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+  # on a CPU with AMX a native build compiles llama.cpp's AMX path, whose server crashed (SIGSEGV at warm-up) on Q8_0 and
+  # Q4_1 GGUFs on an AMX Xeon (2026-12-05, llama-cpp-python 0.3.36's llama.cpp): there, AVX-512 with VNNI and BF16 named
+  ISA="-DGGML_NATIVE=ON"
+  if grep -q amx_int8 /proc/cpuinfo 2>/dev/null; then
+    ISA="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON"
+    ISA="$ISA -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+  fi
+  cmake -S "$LC" -B llama.cpp/build -DCMAKE_BUILD_TYPE=Release $ISA -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF
   nice cmake --build llama.cpp/build --target llama-server llama-quantize -j"$JOBS"
   # the same source built for AVX2 + FMA + F16C alone (no AVX-512): what an AVX2-only CPU runs, so an AVX-512
