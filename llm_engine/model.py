@@ -17,13 +17,13 @@ from .layers import RMSNorm, SwiGLU
 from .attention import AttentionMetadata, store_kv, paged_attention, run_decode_kernel, _gather
 
 # %% auto 0
-__all__ = ['ACT_FNS', 'MANIFEST', 'DEFAULT_GGUF', 'SECOND_COPY_MAX_BYTES', 'GatedMLP', 'make_rope', 'window_prefill',
-           'window_decode', 'window_attention', 'LlamaAttention', 'LlamaDecoderLayer', 'Llama', 'weight_files',
-           'safetensors_header', 'weights_in_own_maps', 'load_weights', 'clean_stale_temps', 'write_manifest',
-           'check_cached_model', 'default_gguf_path', 'gguf_config', 'one_gguf_read', 'convert_gguf', 'resolve_model',
-           'cached_conversion', 'warn_window_paths', 'empty_model', 'load_model', 'load_tokenizer', 'PackedLinear',
-           'bound_onednn_caches', 'release_freed_memory', 'model_bytes', 'second_copy_pays', 'prepack_linears',
-           'keep_freed_memory']
+__all__ = ['ACT_FNS', 'M_TRIM_THRESHOLD', 'M_MMAP_THRESHOLD', 'MANIFEST', 'DEFAULT_GGUF', 'SECOND_COPY_MAX_BYTES', 'GatedMLP',
+           'make_rope', 'window_prefill', 'window_decode', 'window_attention', 'LlamaAttention', 'LlamaDecoderLayer',
+           'Llama', 'weight_files', 'safetensors_header', 'weights_in_own_maps', 'load_weights', 'clean_stale_temps',
+           'write_manifest', 'check_cached_model', 'default_gguf_path', 'gguf_config', 'one_gguf_read', 'convert_gguf',
+           'resolve_model', 'cached_conversion', 'warn_window_paths', 'empty_model', 'load_model', 'load_tokenizer',
+           'PackedLinear', 'bound_onednn_caches', 'release_freed_memory', 'model_bytes', 'second_copy_pays',
+           'prepack_linears', 'keep_freed_memory']
 
 # %% ../nbs/05_model.ipynb
 ACT_FNS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
@@ -247,14 +247,20 @@ def _mapped(f, start: int, e: dict) -> torch.Tensor:
     try: return torch.from_file(str(f), shared=False, size=start + b, dtype=torch.uint8)[start + a:start + b].view(_ST_DTYPES[e["dtype"]]).view(tuple(e["shape"]))
     except (RuntimeError, KeyError): return None     # an offset the dtype cannot view, say: read it instead
 
+def _libc():
+    "The C library, for glibc's allocator knobs; None where it cannot be loaded."
+    try: return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError: return None
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3     # glibc's mallopt parameters
+
 def weights_in_own_maps() -> bool:
     "Ask glibc to give every block of 1 MiB or more its own mapping (set while weights are read); False where unsupported."
     # glibc's mmap threshold grows with each large block freed, so weights made while a file is read (quantized as read,
     # or packed) landed in the heap between the read buffers freed around them; the holes they left were refilled by the
     # first prefill's activations: a 1.1B int8 server reached 1,826 MB after a 2,000-token prompt, 1,660 MB with this
-    try: libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError: return False
-    return hasattr(libc, "mallopt") and bool(libc.mallopt(-3, 1 << 20))     # M_MMAP_THRESHOLD
+    libc = _libc()
+    return hasattr(libc, "mallopt") and bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 20))
 
 def load_weights(model: Llama, path, when_full=None):
     "Read the safetensors weights in folder `path` into `model`; clear errors for missing, corrupt or misshaped tensors."
@@ -544,11 +550,6 @@ def bound_onednn_caches(capacity=256) -> int:
     for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"): os.environ.setdefault(var, str(capacity))
     return int(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"])
 
-def _libc():
-    "The C library, for glibc's allocator knobs; None where it cannot be loaded."
-    try: return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError: return None
-
 def release_freed_memory() -> bool:
     "Hand the heap's free pages back to the OS once (glibc's `malloc_trim`); False where unsupported."
     # the weights that packing replaced were freed into the heap, not unmapped: glibc's mmap threshold had grown past their
@@ -591,5 +592,4 @@ def prepack_linears(model: nn.Module, max_bytes=None) -> nn.Module:
 def keep_freed_memory() -> bool:
     "Ask glibc to keep freed blocks up to 32 MiB in the heap instead of returning them to the OS; False where unsupported."
     libc = _libc()
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     return hasattr(libc, "mallopt") and bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))

@@ -18,12 +18,12 @@ from .model import (Llama, ModelConfig, SECOND_COPY_MAX_BYTES, empty_model, load
                               resolve_model, second_copy_pays, warn_window_paths)
 
 # %% auto 0
-__all__ = ['STEP_KERNELS_SRC', 'NO_SCALES', 'WIDEN_CHUNK', 'Q4_GROUP', 'Q4_BYTES', 'W8A8_ALPHA', 'CALIBRATION_CHAT', 'QUANTIZERS',
-           'AS_READ', 'load_step_kernels', 'widen_buffer', 'WeightOnlyLinear', 'int8_rows', 'Int8Linear', 'Bf16Linear',
-           'quantize_q4', 'dequantize_q4', 'Q4Linear', 'forward_logits', 'calibration_ids', 'activation_ranges',
-           'W8A8Linear', 'quantize_linears', 'bound_dequantized_copies', 'replace_linears', 'FusedDecode',
-           'widen_bf16_linears', 'fuse_decode', 'load_for_serving', 'Agreement', 'compare_logits', 'best_of',
-           'weight_bytes_per_token']
+__all__ = ['STEP_KERNELS_SRC', 'NO_SCALES', 'WIDEN_CHUNK', 'QUANTIZE_CHUNK', 'Q4_GROUP', 'Q4_BYTES', 'W8A8_ALPHA',
+           'CALIBRATION_CHAT', 'QUANTIZERS', 'AS_READ', 'load_step_kernels', 'widen_buffer', 'WeightOnlyLinear',
+           'int8_rows', 'Int8Linear', 'Bf16Linear', 'quantize_q4', 'dequantize_q4', 'Q4Linear', 'forward_logits',
+           'calibration_ids', 'activation_ranges', 'W8A8Linear', 'quantize_linears', 'bound_dequantized_copies',
+           'replace_linears', 'FusedDecode', 'widen_bf16_linears', 'fuse_decode', 'load_for_serving', 'Agreement',
+           'compare_logits', 'best_of', 'weight_bytes_per_token']
 
 # %% ../nbs/05b_precision.ipynb
 STEP_KERNELS_SRC = (Path(llm_engine.__file__).parent / "csrc" / "decode_step.cpp").read_text()
@@ -43,6 +43,9 @@ NO_SCALES = torch.empty(0)
 # weights widened at a time for a large batch: a 1.1B model's gate/up matrix is 23M weights (92 MB in fp32, 46 in
 # bf16); a block of rows at a time keeps the buffer at 16 or 8 MB whatever the model
 WIDEN_CHUNK = 1 << 22
+# weights a quantizer works on at a time: fp32 temporaries of 512 KiB, under the 1 MiB past which a load maps each
+# block afresh (`weights_in_own_maps`, 05); with 1,024-row chunks a 1.1B model's q4 load took 12.3 s, not 7.2
+QUANTIZE_CHUNK = 1 << 17
 
 class WeightOnlyLinear(nn.Module):
     "A linear layer whose weight is stored in fewer bits and widened to fp32 inside the matmul; subclasses say how."
@@ -74,7 +77,6 @@ class WeightOnlyLinear(nn.Module):
             dt, N, K = torch.float32 if self.widen_large else torch.bfloat16, self.out_features, self.in_features
             x, step = x2.to(dt), max(1, min(N, WIDEN_CHUNK // K))
             buf = widen_buffer(step * K, dt)
-            if step == N: return F.linear(x, self.dequantize_into(buf.view(N, K)))
             y = torch.empty(x.shape[0], N, dtype=dt)
             for r in range(0, N, step):     # the product lands in its columns of `y` in place (the BLAS's leading dimension)
                 n = min(step, N - r)
@@ -90,7 +92,7 @@ class WeightOnlyLinear(nn.Module):
 def int8_rows(w: torch.Tensor, chunk: int|None = None) -> tuple[torch.Tensor, torch.Tensor]:
     "`w` [N, K] as int8 with one scale per row, symmetric: `(q, scales)`, q int8 [N, K], scales bf16 [N]."
     q, scales = torch.empty(w.shape, dtype=torch.int8), torch.empty(w.shape[0], dtype=torch.bfloat16)
-    chunk = chunk or max(1, (1 << 17) // w.shape[1])    # as `quantize_q4` (below): fp32 temporaries of 512 KiB
+    chunk = chunk or max(1, QUANTIZE_CHUNK // w.shape[1])
     for r in range(0, w.shape[0], chunk):   # rows a chunk at a time: a 1.1B model's 400 MB output head made 1.2 GB of temporaries
         c = w[r:r + chunk].detach().float()
         # the scale is rounded to bf16 first, so the int8 values are chosen for the scale the kernel will use
@@ -132,10 +134,8 @@ def quantize_q4(w: torch.Tensor, chunk: int|None = None) -> torch.Tensor:
     "`w` [N, K] as Q4_1 blocks, uint8 [N, K/32 * 20]; per row all (d, m) pairs, then the blocks' bytes interleaved two by two."
     N, K = w.shape
     if K % (2 * Q4_GROUP): raise ValueError(f"q4 needs an input width that is a multiple of {2 * Q4_GROUP}, not {K}")
-    # rows a chunk at a time: the temporaries of a 1.1B model's gate_up were 0.4 GB at once. 128K weights a chunk keep
-    # each fp32 temporary at 512 KiB, under the 1 MiB past which a load maps blocks afresh (`weights_in_own_maps`, 05):
-    # that model's q4 load took 12.3 s with 1,024-row chunks, page-faulting every temporary, and 7.2 s without the maps
-    chunk = chunk or max(1, (1 << 17) // K)
+    # rows a chunk at a time (`QUANTIZE_CHUNK` weights): the temporaries of a 1.1B model's gate_up were 0.4 GB at once
+    chunk = chunk or max(1, QUANTIZE_CHUNK // K)
     if N > chunk:
         return torch.cat([quantize_q4(w[r:r + chunk], chunk) for r in range(0, N, chunk)])
     g = w.detach().float().reshape(N, K // Q4_GROUP, Q4_GROUP)
