@@ -167,6 +167,7 @@ class Q4Linear(WeightOnlyLinear):
         if self.kernel: torch.ops.llm_engine.q4_dequantize(w, out); return out
         return out.copy_(dequantize_q4(w))
 
+
 # %% ../nbs/05b_precision.ipynb
 def forward_logits(model, ids: list[int], block_size: int = 16) -> torch.Tensor:
     "fp32 logits `[len(ids), vocab]` of every position of `ids`, prefilled into a fresh paged cache in the model's dtype."
