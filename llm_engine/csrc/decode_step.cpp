@@ -279,13 +279,18 @@ static void block_q4_avx512(const float* x, int64_t M, int64_t K, const uint8_t*
 // AVX2 has no 16-entry table lookup in one register (vpermps reads 3 bits), so the nibbles are widened to fp32 and
 // d q + m is one fused multiply-add: the same single rounding as the AVX-512 table, so the same fp32 weights.
 // A pair of blocks is two 16-byte halves (weights j = 8h..8h+7 of both blocks); V chains over the four weight groups
+// a row's G (d, m) pairs to fp32 into dm, 4 pairs per conversion; the blocks then broadcast them from memory
+static inline void q4_scales_avx2(const uint8_t* wr, int64_t G, float* dm) {
+  int64_t i = 0;
+  for (; i + 8 <= 2 * G; i += 8) _mm256_storeu_ps(dm + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wr + 2 * i))));
+  for (; i < 2 * G; ++i) dm[i] = half_bits(wr + 2 * i);
+}
+
 template <int R>
 static void row_q4_avx2(const float* x, int64_t K, const uint8_t* wr, float* y, int64_t N, float* dm) {
   constexpr int V = R <= 2 ? 4 : 2;
   const int64_t G = K / Q4_GROUP;
-  int64_t i = 0;
-  for (; i + 8 <= 2 * G; i += 8) _mm256_storeu_ps(dm + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wr + 2 * i))));
-  for (; i < 2 * G; ++i) dm[i] = half_bits(wr + 2 * i);
+  q4_scales_avx2(wr, G, dm);
   const uint8_t* qs = wr + 4 * G;
   const __m256i low4 = _mm256_set1_epi32(15);
   __m256 acc[V][R];
@@ -377,9 +382,7 @@ template <int R>
 static void row_q4q16_avx2(const Q16Acts& a, int64_t m0, int64_t K, const uint8_t* wr, float* y, int64_t N, float* dm) {
   constexpr int V = R <= 2 ? 2 : 1;
   const int64_t G = K / Q4_GROUP, P = G / 2;
-  int64_t i = 0;
-  for (; i + 8 <= 2 * G; i += 8) _mm256_storeu_ps(dm + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wr + 2 * i))));
-  for (; i < 2 * G; ++i) dm[i] = half_bits(wr + 2 * i);
+  q4_scales_avx2(wr, G, dm);
   const uint8_t* qs = wr + 4 * G;
   const int8_t* xq = a.q.data() + 2 * m0 * K; const float *xd = a.d.data() + m0 * P * 8, *xs = a.s.data() + m0 * P * 8;
   const __m256i shuf = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
