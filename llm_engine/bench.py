@@ -15,7 +15,8 @@ __all__ = ['OFFLINE_COLS', 'HTTP_COLS', 'WORDS', 'OV_RUNNER', 'PEER_COLS', 'OURS
            'run_http_sweep', 'plot_sweep', 'TextRequest', 'make_text_workload', 'Peer', 'peers_dir', 'run_offline_peer',
            'llama_server', 'find_peers', 'run_http_system', 'PeerRow', 'format_peer_table', 'run_peers', 'plot_peers',
            'our_rows', 'peers_main', 'bench_state_stream', 'checkpoint_bytes_per_token', 'read_bandwidth_gbs',
-           'kv_bytes_per_token', 'bench_size', 'format_size_table', 'bench_structured']
+           'kv_bytes_per_token', 'size_systems', 'bench_size', 'format_size_table', 'bench_curves',
+           'format_curves_table', 'plot_curves', 'size_points', 'plot_size_curves', 'bench_structured']
 
 # %% ../nbs/12_benchmarks.ipynb
 @dataclass
@@ -115,14 +116,17 @@ def main(argv=None):
     ap.add_argument("--structured", action="store_true", help="only the cost of constrained decoding at batch 32 (free vs JSON Schema)")
     ap.add_argument("--state-stream", action="store_true", help="only the step loop's cost of the page's state stream at 32 clients (chapter 10b)")
     ap.add_argument("--size", action="store_true", help="one user on --model (a folder) against llama.cpp on --gguf: TPOT, a 2,000-token prompt's TTFT, peak RSS")
-    ap.add_argument("--gguf", default=None, help="with --size: the GGUF of the same weights for llama.cpp's server (none: ours alone)")
-    ap.add_argument("--dtype", default="bfloat16", help="with --size: our dtype")
-    ap.add_argument("--quantization", default=None, help="with --size: our quantization (int8, q4, w8a8), against the GGUF of matching bits")
+    ap.add_argument("--curves", action="store_true", help="on --model against llama.cpp on --gguf: tokens/s against 1-64 clients, TTFT against 128-8,000-token prompts")
+    ap.add_argument("--gguf", default=None, help="with --size or --curves: the GGUF of the same weights for llama.cpp's server (none: ours alone)")
+    ap.add_argument("--dtype", default="bfloat16", help="with --size or --curves: our dtype")
+    ap.add_argument("--quantization", default=None, help="with --size or --curves: our quantization (int8, q4, w8a8), against the GGUF of matching bits")
     a = ap.parse_args(argv)
     if a.peers: return peers_main(a)
-    if a.size:
-        if not a.model: raise SystemExit("--size needs --model DIR (tools/make_shape_model.py makes one of a real shape)")
-        res = bench_size(a.model, a.gguf, a.dtype, a.threads, peers=a.peers_dir, quantization=a.quantization, **(dict(n=2, max_tokens=8, long_words=200) if a.quick else {}))
+    if a.size or a.curves:
+        if not a.model: raise SystemExit("--size and --curves need --model DIR (tools/make_shape_model.py makes one of a real shape)")
+        if a.curves: res = bench_curves(a.model, a.gguf, a.dtype, a.quantization, a.threads, peers=a.peers_dir,
+                                        **(dict(clients=(1, 2), prompt_tokens=(64, 200), max_tokens=8) if a.quick else {}))
+        else: res = bench_size(a.model, a.gguf, a.dtype, a.threads, peers=a.peers_dir, quantization=a.quantization, **(dict(n=2, max_tokens=8, long_words=200) if a.quick else {}))
         print(json.dumps(res, indent=2))
         if a.out:
             with open(a.out, "w") as f: json.dump(res, f, indent=2)
@@ -605,19 +609,25 @@ def _median_rows(runs: list) -> dict:
     return dict(system=runs[0]["system"], rounds=len(runs), **{k: round(median(r[k] for r in runs), 3) for k in keys},
                 peak_rss_mb=max(r["peak_rss_mb"] for r in runs))
 
+def size_systems(model, gguf=None, dtype="bfloat16", quantization=None, threads=2, seqs=1, ctx=4096, peers=None, extra=()) -> list:
+    "`(name, command)` of our server on `model` and, given `gguf`, llama.cpp's: `seqs` sequences at once, room for `ctx` tokens of KV."
+    # the same KV capacity on both sides (llama.cpp's cache is f16; it splits `ctx` among its slots), and no swap space:
+    # RSS compares like with like
+    kv = kv_bytes_per_token(model, 4 if dtype == "float32" else 2) * ctx
+    ours = [sys.executable, "-m", "llm_engine.cli", "serve", "--port", "{port}", "--log-level", "warning", "--threads", str(threads),
+            "--model", str(model), "--dtype", dtype, "--max-num-seqs", str(seqs), "--kv-cache-memory", str(kv), "--swap-space", "0",
+            *(["--quantization", quantization] if quantization else []), *extra]
+    systems = [(f"llm_engine {quantization or dtype}", ours)]
+    if gguf: systems.append((f"llama.cpp {Path(gguf).name}", [str(llama_server(peers_dir(peers))), "-m", str(gguf), "--host", "127.0.0.1",
+                             "--port", "{port}", "-t", str(threads), "-tb", str(threads), "--parallel", str(seqs), "-c", str(ctx)]))
+    return systems
+
 def bench_size(model, gguf=None, dtype="bfloat16", threads=2, n=8, words=(90, 110), max_tokens=64, long_words=2000, seed=0,
                peers=None, ctx=4096, quantization=None, rounds=2, extra=()) -> dict:
     "One user on `model` (a folder) with our server, then on `gguf` with llama.cpp's (if given): TPOT, TTFT, a long prompt's TTFT, peak RSS."
     from llm_engine.model import load_tokenizer, resolve_model
     reqs, long_prompt = make_text_workload(n, words, max_tokens, seed), make_text_workload(1, (long_words, long_words), 1, seed + 1)[0].prompt
-    # the same KV capacity on both sides (`ctx` tokens; llama.cpp's cache is f16), and no swap space: RSS compares like with like
-    kv = kv_bytes_per_token(model, 4 if dtype == "float32" else 2) * ctx
-    ours = [sys.executable, "-m", "llm_engine.cli", "serve", "--port", "{port}", "--log-level", "warning", "--threads", str(threads),
-            "--model", str(model), "--dtype", dtype, "--max-num-seqs", str(n), "--kv-cache-memory", str(kv), "--swap-space", "0",
-            *(["--quantization", quantization] if quantization else []), *extra]
-    systems = [(f"llm_engine {quantization or dtype}", ours)]
-    if gguf: systems.append((f"llama.cpp {Path(gguf).name}", [str(llama_server(peers_dir(peers))), "-m", str(gguf), "--host", "127.0.0.1",
-                             "--port", "{port}", "-t", str(threads), "-tb", str(threads), "--parallel", "1", "-c", str(ctx)]))
+    systems = size_systems(model, gguf, dtype, quantization, threads, 1, ctx, peers, extra)
     per_weight = {"q4": 20 / 32, "int8": 1, "w8a8": 1}.get(quantization, 4 if dtype == "float32" else 2)   # Q4_1: 20 bytes a block of 32
     wb, runs, bws = checkpoint_bytes_per_token(model, per_weight), {name: [] for name, _ in systems}, []
     for _ in range(rounds):       # alternated: the machine's memory bandwidth is shared and drifts (43 to 71 GB/s within an hour here)
@@ -643,6 +653,103 @@ def format_size_table(res) -> str:
         a, b = res["rows"]
         lines.append("| ours / llama.cpp | " + " | ".join(f"{a[k] / b[k]:.2f}x" for k in cols) + " |")
     return "\n".join(lines)
+
+# %% ../nbs/12_benchmarks.ipynb
+def _warm(srv): asyncio.run(_drive(srv.base, ["A request that only warms the server up."], [4], 1, {}))
+
+def _client_curve(name, cmd, clients, words, max_tokens, seed, min_requests=4) -> tuple[list, int]:
+    "One server at each client count in turn: tokens/s, TTFT and TPOT; and its peak RSS."
+    with ServerProcess(cmd, timeout=1800) as srv:
+        _warm(srv); rows = []
+        for c in clients:
+            reqs = make_text_workload(max(c, min_requests), words, max_tokens, seed + c)    # fresh prompts: no prefix-cache hits
+            r = bench_http_text(name, srv, [q.prompt for q in reqs], [q.max_tokens for q in reqs], c, {"ignore_eos": True})
+            rows.append({k: r[k] for k in ("system", "concurrency", "requests", "output_tokens", "tok_s", "ttft_ms_p50", "tpot_ms_p50")})
+        return rows, _peak_rss_mb(srv.proc.pid)
+
+def _prompt_curve(name, cmd, prompts) -> tuple[list, int]:
+    "One server, each `(tokens, prompt)` alone for one output token: its TTFT; and the server's peak RSS."
+    with ServerProcess(cmd, timeout=1800) as srv:
+        _warm(srv)
+        rows = [dict(system=name, prompt_tokens=n, ttft_ms=bench_http_text(name, srv, [p], [1], 1)["ttft_ms_p50"]) for n, p in prompts]
+        return rows, _peak_rss_mb(srv.proc.pid)
+
+# %% ../nbs/12_benchmarks.ipynb
+def bench_curves(model, gguf=None, dtype="bfloat16", quantization=None, threads=2, clients=(1, 4, 16, 32, 64),
+                 prompt_tokens=(128, 512, 2000, 8000), words=(90, 110), max_tokens=64, slot_ctx=256, seed=0, peers=None, extra=()) -> dict:
+    "Ours on `model` and llama.cpp on `gguf` (if given): tokens/s against clients, TTFT against prompt length, peak RSS of each server."
+    from llm_engine.model import load_tokenizer, resolve_model
+    tok = load_tokenizer(resolve_model(model))
+    prompts = [make_text_workload(1, (n, n), 1, seed + 1000 + n)[0].prompt for n in prompt_tokens]    # about a token a word
+    prompts = [(len(tok(p).input_ids), p) for p in prompts]
+    wide = size_systems(model, gguf, dtype, quantization, threads, max(clients), max(clients) * slot_ctx, peers, extra)
+    long = size_systems(model, gguf, dtype, quantization, threads, 1, max(n for n, _ in prompts) + 64, peers, extra)
+    res = dict(machine=_machine(), model=str(model), threads=threads, slot_ctx=slot_ctx, words=words, max_tokens=max_tokens,
+               clients=[], prompts=[], peak_rss_mb={})
+    for (name, wcmd), (_, lcmd) in zip(wide, long):
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        rows, rss_c = _client_curve(name, wcmd, clients, words, max_tokens, seed)
+        prows, rss_p = _prompt_curve(name, lcmd, prompts)
+        res["clients"] += rows; res["prompts"] += prows; res["peak_rss_mb"][name] = max(rss_c, rss_p)
+    return res
+
+# %% ../nbs/12_benchmarks.ipynb
+def _series(rows, key):
+    "Rows of one curve grouped by system, each as (x, y) lists in x order."
+    out = {}
+    for r in rows: out.setdefault(r["system"], []).append(r)
+    return {s: ([r[key[0]] for r in sorted(rs, key=lambda r: r[key[0]])], [r[key[1]] for r in sorted(rs, key=lambda r: r[key[0]])])
+            for s, rs in out.items()}
+
+def format_curves_table(res) -> str:
+    "`bench_curves`' two curves as markdown tables, systems side by side, ours / llama.cpp's last where both ran."
+    out = []
+    for rows, x, ys, head in ((res["clients"], "concurrency", ("tok_s", "ttft_ms_p50"), ("clients", "tok/s", "TTFT p50, ms")),
+                              (res["prompts"], "prompt_tokens", ("ttft_ms",), ("prompt tokens", "TTFT, ms"))):
+        systems = list(dict.fromkeys(r["system"] for r in rows))
+        cols = [f"{s}: {h}" for y, h in zip(ys, head[1:]) for s in systems] + ([f"ours / llama.cpp: {h}" for h in head[1:]] if len(systems) == 2 else [])
+        out += ["| " + head[0] + " | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        at = {(r["system"], r[x]): r for r in rows}
+        for v in dict.fromkeys(r[x] for r in rows):
+            cells = [f"{at[s, v][y]:g}" for y in ys for s in systems]
+            if len(systems) == 2: cells += [f"{at[systems[0], v][y] / at[systems[1], v][y]:.2f}x" for y in ys]
+            out.append(f"| {v} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out).rstrip()
+
+def plot_curves(res, axes=None, title=None):
+    "Two panels from `bench_curves`: output tokens/s against clients, TTFT against prompt tokens (log-log); ours in blue."
+    import matplotlib.pyplot as plt
+    if axes is None: _, axes = plt.subplots(1, 2, figsize=(11, 3.4))
+    for ax, rows, key, (xl, yl) in ((axes[0], res["clients"], ("concurrency", "tok_s"), ("concurrent clients", "output tokens/s")),
+                                    (axes[1], res["prompts"], ("prompt_tokens", "ttft_ms"), ("prompt tokens", "time to first token, ms"))):
+        for s, (x, y) in _series(rows, key).items():
+            ax.plot(x, y, "o-", label=s, color="tab:blue" if s.startswith("llm_engine") else "0.5")
+        ax.set_xscale("log", base=2); ax.set_xlabel(xl); ax.set_ylabel(yl); ax.legend(fontsize=7)
+    axes[1].set_yscale("log")
+    if title: axes[0].figure.suptitle(title, fontsize=9)
+    axes[0].figure.tight_layout()
+    return axes
+
+# %% ../nbs/12_benchmarks.ipynb
+def size_points(results) -> list[dict]:
+    "`bench_size` results at several model sizes as one row per system and size: weights read per token, TPOT, peak RSS."
+    side = lambda s: "llm_engine" if s.startswith("llm_engine") else "llama.cpp"
+    return [dict(system=f"{side(r['system'])} {res['rows'][0]['system'].split()[-1]}", weight_mb=res["weight_mb_per_token"],
+                 tpot_ms=r["tpot_ms_p50"], peak_rss_mb=r["peak_rss_mb"]) for res in results for r in res["rows"]]
+
+def plot_size_curves(results, axes=None, title=None):
+    "Two panels from `bench_size` results at several sizes: TPOT and peak RSS against weights read per token; ours in blue, dashed llama.cpp."
+    import matplotlib.pyplot as plt
+    if axes is None: _, axes = plt.subplots(1, 2, figsize=(11, 3.4))
+    pts = size_points(results)
+    for ax, key, yl in ((axes[0], ("weight_mb", "tpot_ms"), "TPOT p50, ms"), (axes[1], ("weight_mb", "peak_rss_mb"), "peak RSS, MB")):
+        for s, (x, y) in _series(pts, key).items():
+            ax.plot(x, y, "o-" if s.startswith("llm_engine") else "s--", label=s, color="tab:blue" if s.startswith("llm_engine") else "0.5")
+        ax.set_xscale("log"); ax.set_yscale("log"); ax.set_xlabel("weights read per token, MB"); ax.set_ylabel(yl); ax.legend(fontsize=7)
+    if title: axes[0].figure.suptitle(title, fontsize=9)
+    axes[0].figure.tight_layout()
+    return axes
 
 # %% ../nbs/12_benchmarks.ipynb
 BENCH_SCHEMA = {"type": "array", "minItems": 64, "items": {"type": "object", "properties": {

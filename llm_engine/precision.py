@@ -19,11 +19,11 @@ from .model import (Llama, ModelConfig, SECOND_COPY_MAX_BYTES, empty_model, load
 
 # %% auto 0
 __all__ = ['STEP_KERNELS_SRC', 'NO_SCALES', 'WIDEN_CHUNK', 'QUANTIZE_CHUNK', 'Q4_GROUP', 'Q4_BYTES', 'W8A8_ALPHA',
-           'CALIBRATION_CHAT', 'QUANTIZERS', 'AS_READ', 'load_step_kernels', 'widen_buffer', 'WeightOnlyLinear',
-           'int8_rows', 'Int8Linear', 'Bf16Linear', 'quantize_q4', 'dequantize_q4', 'Q4Linear', 'forward_logits',
-           'calibration_ids', 'activation_ranges', 'W8A8Linear', 'quantize_linears', 'bound_dequantized_copies',
-           'replace_linears', 'FusedDecode', 'widen_bf16_linears', 'fuse_decode', 'load_for_serving', 'Agreement',
-           'compare_logits', 'best_of', 'weight_bytes_per_token']
+           'CALIBRATION_CHAT', 'QUANTIZERS', 'FUSED_SWITCHES', 'AS_READ', 'load_step_kernels', 'widen_buffer',
+           'WeightOnlyLinear', 'int8_rows', 'Int8Linear', 'Bf16Linear', 'quantize_q4', 'dequantize_q4', 'Q4Linear',
+           'forward_logits', 'calibration_ids', 'activation_ranges', 'W8A8Linear', 'quantize_linears',
+           'bound_dequantized_copies', 'replace_linears', 'FusedDecode', 'widen_bf16_linears', 'unfused_differences',
+           'fuse_decode', 'load_for_serving', 'Agreement', 'compare_logits', 'best_of', 'weight_bytes_per_token']
 
 # %% ../nbs/05b_precision.ipynb
 STEP_KERNELS_SRC = (Path(llm_engine.__file__).parent / "csrc" / "decode_step.cpp").read_text()
@@ -299,9 +299,10 @@ class FusedDecode:
         # prepack_linears later gives the modules oneDNN's packed layout, which only oneDNN can read)
         # (Q4 blocks carry their scales inside: no separate tensor)
         plain = lambda q: (q.weight, f32(q.scales)) if isinstance(q, Int8Linear) else (q.weight.detach().contiguous(), self.none)
+        bias = lambda q: self.none if q.bias is None else f32(q.bias)       # q/k/v's (Qwen2), added before RoPE
         # one list per argument of decode_layers, one entry per layer: all layers in one call
-        # (without the one-call layer, only the norms: no plain copy of the weights is held)
-        self.columns = [list(c) for c in zip(*[(f32(l.input_layernorm.weight), f32(l.post_attention_layernorm.weight),
+        # (without the one-call layer, only the norms and biases: no plain copy of the weights is held)
+        self.columns = [list(c) for c in zip(*[(f32(l.input_layernorm.weight), f32(l.post_attention_layernorm.weight), bias(l.self_attn.qkv_proj),
                                                 *([t for q in self._lins(l) for t in plain(q)] if one_call else [])) for l in model.layers])]
         self.quantized = isinstance(model.layers[0].self_attn.qkv_proj, WeightOnlyLinear)
         # rows up to which the one-call layer wins (measured below)
@@ -320,8 +321,8 @@ class FusedDecode:
         ops, (cos, sin), residual = torch.ops.llm_engine, (t.contiguous() for t in cos_sin), self.none
         M, plain = x.shape[0], isinstance(kv_caches[0][0], torch.Tensor)
         if M <= self.max_rows and md.num_prefill_tokens == 0 and plain:
-            ln1, ln2, *w = self.columns
-            return ops.decode_layers(x, residual, ln1, ln2, self.eps, *w, cos, sin, self.nh, self.nkv, [k for k, _ in kv_caches],
+            ln1, ln2, bqkv, *w = self.columns
+            return ops.decode_layers(x, residual, ln1, ln2, self.eps, bqkv, *w, cos, sin, self.nh, self.nkv, [k for k, _ in kv_caches],
                                      [v for _, v in kv_caches], md.slot_mapping, md.decode_block_tables, md.decode_context_lens, self.scale)
         if not plain:     # an 8-bit cache (03): RoPE writes K and V to plain rows here first, then they are encoded into it
             stage, rows = torch.empty(2, M, 1, self.nkv, kv_caches[0][0].shape[3], dtype=x.dtype), torch.arange(M)
@@ -344,16 +345,25 @@ def widen_bf16_linears(model: nn.Module) -> nn.Module:
     if CPU_ISA.bf16 or load_step_kernels() is not None: return model
     return replace_linears(model, lambda lin, name: Bf16Linear(lin) if lin.weight.dtype == torch.bfloat16 and lin.weight.device.type == "cpu" else lin)
 
+# differences from Llama's layer that the fused step takes as well: q/k/v biases are one add before RoPE
+FUSED_SWITCHES = ("attention_bias",)
+
+def unfused_differences(mc) -> list[str]:
+    "The switches of `mc` set away from Llama's that the fused decode step does not take (05c's families): while any, the layer loop."
+    return [d for d in mc.llama_differences() if d not in FUSED_SWITCHES]
+
 def fuse_decode(model, max_bytes=None) -> bool:
     "Install `FusedDecode` as `model.decode_step` for a CPU model with bf16 activations or quantized weights; True if installed."
     widen_bf16_linears(model)     # first: where the CPU has no bf16 arithmetic, the bf16 linears become our kernels' too
     w, lins = model.embed_tokens.weight, [q for l in model.layers for q in FusedDecode._lins(l)]
     quantized = all(isinstance(q, WeightOnlyLinear) for q in lins)     # their kernel and bias are the checks below
-    ok = (w.device.type == "cpu" and all(type(q) in (nn.Linear, Int8Linear, Q4Linear, W8A8Linear, Bf16Linear) and q.bias is None for q in lins)
+    ok = (w.device.type == "cpu" and all(type(q) in (nn.Linear, Int8Linear, Q4Linear, W8A8Linear, Bf16Linear) for q in lins)
+          and all(q.bias is None for l in model.layers for q in FusedDecode._lins(l)[1:])     # only q/k/v may have biases
           and (w.dtype == torch.bfloat16 or (w.dtype == torch.float32 and quantized))
           and load_step_kernels() is None)    # fp32 without int8 (the exact path the parity tests hold) keeps the layer loop
-    # the one-call layer is Llama's layer: a family that differs (q/k norms, sandwich norms, GeGLU, windows: 05c) keeps the loop
-    differs = model.config.llama_differences()
+    # the one-call layer is Llama's layer (with q/k/v biases): a family that differs otherwise (q/k norms, sandwich norms,
+    # GeGLU, windows: 05c) keeps the loop
+    differs = unfused_differences(model.config)
     if ok and differs:
         warnings.warn(f"llm_engine: {model.config.model_type}: the fused decode step is Llama's layer and this family differs "
                       f"({', '.join(differs)}); decode steps take the layer loop")
@@ -388,7 +398,7 @@ def load_for_serving(model=None, dtype=torch.float32, device="cpu", quantization
         quantize_linears(m, quantization, path)     # from the fp32 weights, before the cast: what was not done as read
         m = m.to(dtype).eval()
         warn_window_paths(m)
-    if not m.config.llama_differences(): fuse_decode(m)
+    if not unfused_differences(m.config): fuse_decode(m)
     return m, path
 
 # %% ../nbs/05b_precision.ipynb

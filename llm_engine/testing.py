@@ -60,9 +60,10 @@ def make_tiny_family(out_dir, family: str, seed=0, layers=4, hidden=64, shards=1
     kw.update(config)
     torch.manual_seed(seed)
     m = AutoModelForCausalLM.from_config(cls(**kw))
-    with torch.no_grad():     # Gemma's norms start at zero (a weight of 1): random ones make the test of the +1 bite
+    with torch.no_grad():     # Gemma's norms start at zero (a weight of 1), biases at zero: random ones make the tests of both bite
         for n, p in m.named_parameters():
             if "norm" in n: p.normal_(0.0 if kw.get("model_type", cls.model_type).startswith("gemma") else 1.0, 0.2)
+            elif n.endswith(".bias"): p.normal_(0.0, 0.2)
     m.save_pretrained(out, max_shard_size=f"{max(1, m.num_parameters() * 4 // shards // 1000 + 1)}KB" if shards > 1 else "50GB")
     tok.save_pretrained(out)
     return out

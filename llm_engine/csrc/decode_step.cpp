@@ -7,7 +7,7 @@
 // - q4_linear: the same for 4-bit weights in GGUF's Q4_1 blocks (a scale and a minimum per 32 weights); on AVX2 the
 //   activations of up to 3 rows are rounded to 16 bits per block of 32 and the products are 8-bit integer multiply-adds.
 // - decode_layers: every decoder layer of a decode step for a few rows in one call (decode_layer: one of them), weights
-//   Q4, int8 (with scales), bf16 or fp32.
+//   Q4, int8 (with scales), bf16 or fp32; q/k/v biases where the family has them (Qwen2).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -555,7 +555,7 @@ static void store_qkv(const float* qkvp, T* qp, T* kc, T* vc, const int64_t* slp
 
 static std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& x_, const at::Tensor& residual, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
-    const at::Tensor& wqkv, const at::Tensor& sqkv, const at::Tensor& wo, const at::Tensor& so,
+    const at::Tensor& bqkv, const at::Tensor& wqkv, const at::Tensor& sqkv, const at::Tensor& wo, const at::Tensor& so,
     const at::Tensor& wgu, const at::Tensor& sgu, const at::Tensor& wd, const at::Tensor& sd,
     const at::Tensor& cos, const at::Tensor& sin, int64_t nh, int64_t nkv, at::Tensor k_cache, at::Tensor v_cache,
     const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
@@ -563,6 +563,7 @@ static std::tuple<at::Tensor, at::Tensor> decode_layer(
   const int64_t M = x_.size(0), H = x_.size(1), D = k_cache.size(3), Q = nh * D, KV = nkv * D, I = wgu.size(0) / 2;
   TORCH_CHECK(T == at::kFloat || T == at::kBFloat16, "decode_layer: fp32 or bf16 activations");
   TORCH_CHECK(wqkv.size(0) == Q + 2 * KV && wo.size(0) == H && wd.size(0) == H, "decode_layer: weight shapes");
+  TORCH_CHECK(!bqkv.numel() || bqkv.numel() == Q + 2 * KV, "decode_layer: the qkv bias is empty or one per output");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == T && v_cache.scalar_type() == T &&
               k_cache.size(2) == nkv, "decode_layer: contiguous caches [blocks, block_size, kv_heads, D] in the activations' dtype");
   TORCH_CHECK(cos.size(0) == M && cos.size(1) == D / 2 && slots.scalar_type() == at::kLong && slots.numel() == M, "decode_layer: cos, sin, slots");
@@ -577,6 +578,10 @@ static std::tuple<at::Tensor, at::Tensor> decode_layer(
   for (int64_t m = 0; m < M; ++m)      // the first layer has no residual yet: it starts as x
     add_rms_norm_row(residual.numel() ? rp + m * H : xp + m * H, residual.numel() ? xp + m * H : nullptr, rp + m * H, w1, hp + m * H, H, (float)eps);
   mm(hp, M, H, wqkv, sqkv, qkvp);
+  if (bqkv.numel()) {      // before RoPE, as the module adds it
+    const float* bp = f32(bqkv, "qkv bias");
+    for (int64_t m = 0; m < M; ++m) for (int64_t i = 0; i < Q + 2 * KV; ++i) qkvp[m * (Q + 2 * KV) + i] += bp[i];
+  }
   const float *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>(); const int64_t* slp = sl.data_ptr<int64_t>();
   for (int64_t m = 0; m < M; ++m)      // q's heads, then k's: adjacent in the row
     for (int64_t hd = 0; hd < nh + nkv; ++hd) {
@@ -602,16 +607,16 @@ static std::tuple<at::Tensor, at::Tensor> decode_layer(
 // Python cost some 10 us each in argument handling alone)
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& x, const at::Tensor& residual, at::TensorList ln1, at::TensorList ln2, double eps,
-    at::TensorList wqkv, at::TensorList sqkv, at::TensorList wo, at::TensorList so,
+    at::TensorList bqkv, at::TensorList wqkv, at::TensorList sqkv, at::TensorList wo, at::TensorList so,
     at::TensorList wgu, at::TensorList sgu, at::TensorList wd, at::TensorList sd, const at::Tensor& cos, const at::Tensor& sin,
     int64_t nh, int64_t nkv, at::TensorList k_caches, at::TensorList v_caches,
     const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   const size_t L = ln1.size();
-  for (auto n : {ln2.size(), wqkv.size(), sqkv.size(), wo.size(), so.size(), wgu.size(), sgu.size(), wd.size(), sd.size(), k_caches.size(), v_caches.size()})
+  for (auto n : {ln2.size(), bqkv.size(), wqkv.size(), sqkv.size(), wo.size(), so.size(), wgu.size(), sgu.size(), wd.size(), sd.size(), k_caches.size(), v_caches.size()})
     TORCH_CHECK(n == L, "decode_layers: one entry per layer in every list");
   at::Tensor h = x, r = residual;
   for (size_t i = 0; i < L; ++i)
-    std::tie(h, r) = decode_layer(h, r, ln1[i], ln2[i], eps, wqkv[i], sqkv[i], wo[i], so[i], wgu[i], sgu[i], wd[i], sd[i], cos, sin,
+    std::tie(h, r) = decode_layer(h, r, ln1[i], ln2[i], eps, bqkv[i], wqkv[i], sqkv[i], wo[i], so[i], wgu[i], sgu[i], wd[i], sd[i], cos, sin,
                                   nh, nkv, k_caches[i], v_caches[i], slots, block_tables, context_lens, scale);
   return {h, r};
 }
@@ -781,7 +786,7 @@ TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("quantize_rows(Tensor x, Tensor smooth, int zero_point=0, int qmax=127) -> (Tensor, Tensor)");
   m.def("dequantize_rows(Tensor acc, Tensor row_scales, Tensor col_scales, ScalarType dtype) -> Tensor");
-  m.def("decode_layers(Tensor x, Tensor residual, Tensor[] ln1, Tensor[] ln2, float eps, Tensor[] wqkv, Tensor[] sqkv, "
+  m.def("decode_layers(Tensor x, Tensor residual, Tensor[] ln1, Tensor[] ln2, float eps, Tensor[] bqkv, Tensor[] wqkv, Tensor[] sqkv, "
         "Tensor[] wo, Tensor[] so, Tensor[] wgu, Tensor[] sgu, Tensor[] wd, Tensor[] sd, Tensor cos, Tensor sin, int nh, int nkv, "
         "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor block_tables, Tensor context_lens, float scale) -> (Tensor, Tensor)");
 }
