@@ -14,7 +14,7 @@ import llm_engine
 from .attention import AttentionMetadata, build_cpu_kernel, load_decode_kernel, paged_attention, store_kv, run_decode_kernel
 from .config import CPU_ISA
 from .rope import RotaryEmbedding
-from .model import (Llama, ModelConfig, SECOND_COPY_MAX_BYTES, empty_model, load_model, load_tokenizer, load_weights,
+from .model import (Llama, ModelConfig, PackedLinear, SECOND_COPY_MAX_BYTES, empty_model, load_model, load_tokenizer, load_weights,
                               resolve_model, second_copy_pays, warn_window_paths)
 
 # %% auto 0
@@ -23,7 +23,8 @@ __all__ = ['STEP_KERNELS_SRC', 'NO_SCALES', 'WIDEN_CHUNK', 'QUANTIZE_CHUNK', 'Q4
            'WeightOnlyLinear', 'int8_rows', 'Int8Linear', 'Bf16Linear', 'quantize_q4', 'dequantize_q4', 'Q4Linear',
            'forward_logits', 'calibration_ids', 'activation_ranges', 'W8A8Linear', 'quantize_linears',
            'bound_dequantized_copies', 'replace_linears', 'FusedDecode', 'widen_bf16_linears', 'unfused_differences',
-           'fuse_decode', 'load_for_serving', 'Agreement', 'compare_logits', 'best_of', 'weight_bytes_per_token']
+           'PlainHead', 'fuse_decode', 'load_for_serving', 'Agreement', 'compare_logits', 'best_of',
+           'weight_bytes_per_token']
 
 # %% ../nbs/05b_precision.ipynb
 STEP_KERNELS_SRC = (Path(llm_engine.__file__).parent / "csrc" / "decode_step.cpp").read_text()
@@ -306,14 +307,21 @@ class FusedDecode:
                                                 *([t for q in self._lins(l) for t in plain(q)] if one_call else [])) for l in model.layers])]
         self.quantized = isinstance(model.layers[0].self_attn.qkv_proj, WeightOnlyLinear)
         # rows up to which the one-call layer wins (measured below)
-        self.max_rows = 0 if not one_call else WeightOnlyLinear.small_batch if self.quantized else 3
+        self.max_rows = 0 if not one_call else WeightOnlyLinear.small_batch if self.quantized else self.BF16_ROWS
         self.rebind(model)
+    BF16_ROWS = 3      # rows up to which our kernel on bf16 weights beats oneDNN's bf16 matmul
     @staticmethod
     def _lins(l): return (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj)
     def rebind(self, model):
         "Take the layers' current linear modules for the nine-call path (after `prepack_linears` replaced them)."
         # module.forward, not module(): no hook machinery per call
         self.layers = [(ln1, ln2, *[q.forward for q in self._lins(l)]) for ln1, ln2, l in zip(*self.columns[:2], model.layers)]
+        # a bf16 model too big for a plain copy: the one-call layer takes oneDNN's packed weights, and calls oneDNN's
+        # matmul on them from C++ (Qwen2.5-0.5B's shape, one row: 47 ms a token with nine calls from Python, 43 with one)
+        lins = [self._lins(l) for l in model.layers]
+        if self.max_rows == 0 and all(isinstance(q, PackedLinear) and q.packed.dtype == torch.bfloat16 for qs in lins for q in qs):
+            self.columns[3:] = [list(c) for c in zip(*[[t for q in qs for t in (q.packed, self.none)] for qs in lins])]
+            self.max_rows = self.BF16_ROWS
     def applies(self, md, x) -> bool:
         return (self.attention and md.attention is None and (md.num_decodes == 0 or md.decode_backend == "cpp")
                 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16))
@@ -352,6 +360,17 @@ def unfused_differences(mc) -> list[str]:
     "The switches of `mc` set away from Llama's that the fused decode step does not take (05c's families): while any, the layer loop."
     return [d for d in mc.llama_differences() if d not in FUSED_SWITCHES]
 
+class PlainHead(nn.Module):
+    "A tied bf16 output head left as the embedding table (packing it would copy the table): a step's few rows in our kernel."
+    # at Qwen2.5-0.5B's shape (49152 x 896, one row) aten's matmul took 3.9 ms where ours takes 1.9 and oneDNN's packed copy 2.2
+    def __init__(self, lin: nn.Linear, max_rows: int):
+        super().__init__()
+        self.weight, self.max_rows = lin.weight, max_rows      # the same Parameter: one copy
+    def forward(self, x):
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.ops.llm_engine.int8_linear(x2, self.weight, NO_SCALES) if x2.shape[0] <= self.max_rows else F.linear(x2, self.weight)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
 def fuse_decode(model, max_bytes=None) -> bool:
     "Install `FusedDecode` as `model.decode_step` for a CPU model with bf16 activations or quantized weights; True if installed."
     widen_bf16_linears(model)     # first: where the CPU has no bf16 arithmetic, the bf16 linears become our kernels' too
@@ -370,6 +389,9 @@ def fuse_decode(model, max_bytes=None) -> bool:
     # plain bf16 weights for the one-call layer would sit beside prepack_linears' packed copy: kept for a small model, whose
     # steps are short enough for Python's calls to matter; past SECOND_COPY_MAX_BYTES the copy costs more than it buys
     one_call = quantized or second_copy_pays(model, max_bytes)
+    head = model.lm_head
+    if ok and not differs and not one_call and type(head) is nn.Linear and head.weight is w and w.dtype == torch.bfloat16:
+        model.lm_head = PlainHead(head, FusedDecode.BF16_ROWS)      # prepack_linears leaves a big model's tied head plain
     model.decode_step = FusedDecode(model, one_call) if ok and not differs else None
     return model.decode_step is not None
 

@@ -527,9 +527,20 @@ static const float* f32(const at::Tensor& t, const char* what) {
   return t.data_ptr<float>();
 }
 
-// y [M, N] = x [M, K] times w [N, K]: int8 with scales [N], or bf16 / fp32 (scales empty), or Q4_1 blocks [N, K / 32 * 20]
+// y [M, N] = x [M, K] times w [N, K]: int8 with scales [N], or bf16 / fp32 (scales empty), or Q4_1 blocks [N, K / 32 * 20],
+// or bf16 in oneDNN's packed layout (a model too big for a plain copy beside it): oneDNN's own matmul, on x rounded to
+// bf16 as the layer loop rounds it, called through the dispatcher (a few us, where a call from Python costs some 15)
 static void mm(const float* x, int64_t M, int64_t K, const at::Tensor& w, const at::Tensor& s, float* y) {
   const int64_t N = w.size(0);
+  if (w.is_mkldnn()) {
+    static const auto packed = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(1) == K, "decode_layer: packed weights are oneDNN's bf16 [N, K]");
+    std::vector<c10::IValue> stack{at::from_blob(const_cast<float*>(x), {M, K}, at::kFloat).to(at::kBFloat16), w, c10::IValue(),
+                                   c10::IValue(std::string("none")), c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()};
+    packed.callBoxed(&stack);
+    at::from_blob(y, {M, N}, at::kFloat).copy_(stack[0].toTensor());
+    return;
+  }
   if (w.scalar_type() == at::kByte) {
     TORCH_CHECK(w.is_contiguous() && K % (2 * Q4_GROUP) == 0 && w.size(1) == K / Q4_GROUP * Q4_BYTES, "decode_layer: Q4 weights [N, K / 32 * 20], contiguous");
     return matmul_q4_into(x, M, K, w.data_ptr<uint8_t>(), y, N, false);
@@ -802,3 +813,5 @@ TORCH_LIBRARY_IMPL(llm_engine, CPU, m) {
   m.impl("quantize_rows", quantize_rows);
   m.impl("dequantize_rows", dequantize_rows);
 }
+// a big bf16 model's layers come as oneDNN's packed weights (mm above): the dispatcher then picks the MkldnnCPU key
+TORCH_LIBRARY_IMPL(llm_engine, MkldnnCPU, m) { m.impl("decode_layers", decode_layers); }
