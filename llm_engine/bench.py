@@ -9,14 +9,15 @@ from dataclasses import dataclass, asdict
 import torch
 
 # %% auto 0
-__all__ = ['OFFLINE_COLS', 'HTTP_COLS', 'WORDS', 'OV_RUNNER', 'PEER_COLS', 'OURS', 'MORE_OURS', 'SIZE_COLS', 'BENCH_SCHEMA',
-           'STRUCTURED_COLS', 'Request', 'make_workload', 'bench_hf_sequential', 'bench_hf_static', 'bench_engine',
-           'run_benchmark', 'format_table', 'main', 'bench_http_text', 'bench_http', 'llama_cpp_available',
-           'run_http_sweep', 'plot_sweep', 'TextRequest', 'make_text_workload', 'Peer', 'peers_dir', 'run_offline_peer',
-           'llama_server', 'find_peers', 'run_http_system', 'PeerRow', 'format_peer_table', 'run_peers', 'plot_peers',
-           'our_rows', 'peers_main', 'bench_state_stream', 'checkpoint_bytes_per_token', 'read_bandwidth_gbs',
-           'kv_bytes_per_token', 'size_systems', 'bench_size', 'format_size_table', 'bench_curves',
-           'format_curves_table', 'plot_curves', 'size_points', 'plot_size_curves', 'bench_structured']
+__all__ = ['OFFLINE_COLS', 'HTTP_COLS', 'WORDS', 'OV_RUNNER', 'PEER_COLS', 'OURS', 'MORE_OURS', 'SIZE_COLS', 'SIZE_COLOURS',
+           'BENCH_SCHEMA', 'STRUCTURED_COLS', 'Request', 'make_workload', 'bench_hf_sequential', 'bench_hf_static',
+           'bench_engine', 'run_benchmark', 'format_table', 'main', 'bench_http_text', 'bench_http',
+           'llama_cpp_available', 'run_http_sweep', 'plot_sweep', 'TextRequest', 'make_text_workload', 'Peer',
+           'peers_dir', 'run_offline_peer', 'llama_server', 'find_peers', 'run_http_system', 'PeerRow',
+           'format_peer_table', 'run_peers', 'plot_peers', 'our_rows', 'peers_main', 'bench_state_stream',
+           'checkpoint_bytes_per_token', 'read_bandwidth_gbs', 'kv_bytes_per_token', 'size_systems', 'bench_size',
+           'format_size_table', 'bench_curves', 'format_curves_table', 'plot_curves', 'size_points', 'plot_size_curves',
+           'bench_structured']
 
 # %% ../nbs/12_benchmarks.ipynb
 @dataclass
@@ -738,14 +739,16 @@ def size_points(results) -> list[dict]:
     return [dict(system=f"{side(r['system'])} {res['rows'][0]['system'].split()[-1]}", weight_mb=res["weight_mb_per_token"],
                  tpot_ms=r["tpot_ms_p50"], peak_rss_mb=r["peak_rss_mb"]) for res in results for r in res["rows"]]
 
+SIZE_COLOURS = {"bfloat16": "C0", "int8": "C1", "q4": "C2", "float32": "C3", "w8a8": "C4"}     # one per precision, across calls
+
 def plot_size_curves(results, axes=None, title=None):
-    "Two panels from `bench_size` results at several sizes: TPOT and peak RSS against weights read per token; ours in blue, dashed llama.cpp."
+    "Two panels from `bench_size` results at several sizes: TPOT and peak RSS against weights read per token; a colour per precision, llama.cpp dashed."
     import matplotlib.pyplot as plt
     if axes is None: _, axes = plt.subplots(1, 2, figsize=(11, 3.4))
     pts = size_points(results)
     for ax, key, yl in ((axes[0], ("weight_mb", "tpot_ms"), "TPOT p50, ms"), (axes[1], ("weight_mb", "peak_rss_mb"), "peak RSS, MB")):
         for s, (x, y) in _series(pts, key).items():
-            ax.plot(x, y, "o-" if s.startswith("llm_engine") else "s--", label=s, color="tab:blue" if s.startswith("llm_engine") else "0.5")
+            ax.plot(x, y, "o-" if s.startswith("llm_engine") else "s--", label=s, color=SIZE_COLOURS.get(s.split()[-1], "0.3"))
         ax.set_xscale("log"); ax.set_yscale("log"); ax.set_xlabel("weights read per token, MB"); ax.set_ylabel(yl); ax.legend(fontsize=7)
     if title: axes[0].figure.suptitle(title, fontsize=9)
     axes[0].figure.tight_layout()

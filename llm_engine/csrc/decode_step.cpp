@@ -29,6 +29,10 @@
 
 constexpr int RB = 4;   // rows of x per pass: U * RB accumulators stay in registers
 
+// the files are built with -ffast-math, which may fold std::isfinite / std::isnan away: the exponent's bits say it
+static inline bool nonfinite(float v) { uint32_t b; std::memcpy(&b, &v, 4); return (b & 0x7f800000u) == 0x7f800000u; }
+static inline float quiet_nan() { const uint32_t b = 0x7fc00000u; float v; std::memcpy(&v, &b, 4); return v; }
+
 // weights: int8 (with one scale per output channel), bf16 or fp32 (scales null: 1); always widened to fp32
 template <typename W> static inline float wf(const W* p, int64_t i) { return static_cast<float>(p[i]); }
 
@@ -221,6 +225,16 @@ static inline float half_bits(const uint8_t* p) {
   uint16_t h; std::memcpy(&h, p, 2); return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
 
+// the Q4 vector kernels' outer loop: each weight row n of [n0, n1) against the rows of x RB at a time, while the
+// weight row stays in L1; row(n, m, rows, dm) runs one group (dm: the thread's room for a row's (d, m) pairs in fp32)
+template <typename Row>
+static void q4_row_groups(int64_t M, int64_t K, int64_t n0, int64_t n1, Row&& row) {
+  thread_local std::vector<float> dm;
+  dm.resize(2 * K / Q4_GROUP);
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; m += RB) row(n, m, std::min<int64_t>(RB, M - m), dm.data());
+}
+
 static void block_q4_generic(const float* x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
   const int64_t G = K / Q4_GROUP;
   for (int64_t n = n0; n < n1; ++n)
@@ -267,11 +281,8 @@ static void row_q4_avx512(const float* x, int64_t K, const uint8_t* wr, float* y
 static void block_q4_avx512(const float* x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
   static void (*const rows[RB + 1])(const float*, int64_t, const uint8_t*, float*, int64_t, float*) =
       {nullptr, row_q4_avx512<1>, row_q4_avx512<2>, row_q4_avx512<3>, row_q4_avx512<4>};
-  thread_local std::vector<float> dm;
-  dm.resize(2 * K / Q4_GROUP);
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m = 0; m < M; m += RB)
-      rows[std::min<int64_t>(RB, M - m)](x + m * K, K, w + n * K / Q4_GROUP * Q4_BYTES, y + m * N + n, N, dm.data());
+  q4_row_groups(M, K, n0, n1, [&](int64_t n, int64_t m, int64_t r, float* dm) {
+    rows[r](x + m * K, K, w + n * K / Q4_GROUP * Q4_BYTES, y + m * N + n, N, dm); });
 }
 #endif
 
@@ -322,11 +333,8 @@ static void row_q4_avx2(const float* x, int64_t K, const uint8_t* wr, float* y, 
 static void block_q4_avx2(const float* x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
   static void (*const rows[RB + 1])(const float*, int64_t, const uint8_t*, float*, int64_t, float*) =
       {nullptr, row_q4_avx2<1>, row_q4_avx2<2>, row_q4_avx2<3>, row_q4_avx2<4>};
-  thread_local std::vector<float> dm;
-  dm.resize(2 * K / Q4_GROUP);
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m = 0; m < M; m += RB)
-      rows[std::min<int64_t>(RB, M - m)](x + m * K, K, w + n * K / Q4_GROUP * Q4_BYTES, y + m * N + n, N, dm.data());
+  q4_row_groups(M, K, n0, n1, [&](int64_t n, int64_t m, int64_t r, float* dm) {
+    rows[r](x + m * K, K, w + n * K / Q4_GROUP * Q4_BYTES, y + m * N + n, N, dm); });
 }
 #endif
 
@@ -361,8 +369,7 @@ static void quantize_q16_pairs(const float* x, int64_t M, int64_t K, Q16Acts& a)
         const float* xb = x + m * K + 64 * p + 32 * b;
         float amax = 0.f, s = 0.f, sa = 0.f;
         for (int j = 0; j < 32; ++j) { amax = std::max(amax, std::fabs(xb[j])); s += xb[j]; sa += std::fabs(xb[j]); }
-        uint32_t bits; std::memcpy(&bits, &sa, 4);
-        if ((bits & 0x7f800000u) == 0x7f800000u) { const uint32_t nan = 0x7fc00000u; std::memcpy(&d[b], &nan, 4); std::memcpy(&sum[b], &nan, 4); }
+        if (nonfinite(sa)) d[b] = sum[b] = quiet_nan();
         else { d[b] = amax / 127.f; sum[b] = s; }
         const float inv = d[b] > 0.f ? 1.f / d[b] : 0.f;     // a NaN scale quantizes to zeros and multiplies in the NaN
         for (int j = 0; j < 32; ++j) {
@@ -417,11 +424,8 @@ static void row_q4q16_avx2(const Q16Acts& a, int64_t m0, int64_t K, const uint8_
 static void block_q4q16_avx2(const Q16Acts& a, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
   static void (*const rows[RB + 1])(const Q16Acts&, int64_t, int64_t, const uint8_t*, float*, int64_t, float*) =
       {nullptr, row_q4q16_avx2<1>, row_q4q16_avx2<2>, row_q4q16_avx2<3>, row_q4q16_avx2<4>};
-  thread_local std::vector<float> dm;
-  dm.resize(2 * K / Q4_GROUP);
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m = 0; m < M; m += RB)
-      rows[std::min<int64_t>(RB, M - m)](a, m, K, w + n * K / Q4_GROUP * Q4_BYTES, y + m * N + n, N, dm.data());
+  q4_row_groups(M, K, n0, n1, [&](int64_t n, int64_t m, int64_t r, float* dm) {
+    rows[r](a, m, K, w + n * K / Q4_GROUP * Q4_BYTES, y + m * N + n, N, dm); });
 }
 #endif
 
@@ -699,8 +703,7 @@ static void quantize_row(const T* x, const S* s, int64_t K, Q* q, float* a, int 
   for (int64_t k = 0; k < K; ++k) {
     const float v = std::fabs(static_cast<float>(x[k]) / static_cast<float>(s[k])); amax = std::max(amax, v); sum += v;
   }
-  uint32_t bits; std::memcpy(&bits, &sum, 4);
-  if ((bits & 0x7f800000u) == 0x7f800000u) { std::fill(q, q + K, static_cast<Q>(zero)); const uint32_t nan = 0x7fc00000u; std::memcpy(a, &nan, 4); return; }
+  if (nonfinite(sum)) { std::fill(q, q + K, static_cast<Q>(zero)); *a = quiet_nan(); return; }
   const float scale = std::max(amax, 1e-30f) / qmax;
   for (int64_t k = 0; k < K; ++k) {
     const float v = static_cast<float>(x[k]) / static_cast<float>(s[k]) / scale;
