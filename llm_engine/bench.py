@@ -393,13 +393,17 @@ def _log_tail(log: Path) -> str:
     lines = [l for l in (log.read_text(errors="replace") if log.exists() else "").splitlines() if l.strip()]
     return lines[-1].strip()[:300] if lines else "no output"
 
+def _warm(srv, body=None):
+    "One short request before measuring; not a workload prompt, so no prefix-cache hit."
+    asyncio.run(_drive(srv.base, ["A request that only warms the server up."], [4], 1, body or {}))
+
 def run_http_system(name, cmd, reqs, concurrencies, body_extra=None, log=None, timeout=1800) -> list[dict]:
     "Start a server, warm it up with one short request, then measure it at each concurrency on all of `reqs`."
     log = Path(log or tempfile.mkstemp(suffix=".log")[1])
     try: srv = ServerProcess(_logged(cmd, log), timeout=timeout)
     except RuntimeError as e: raise RuntimeError(f"did not start: {_log_tail(log)}") from e
     with srv:
-        asyncio.run(_drive(srv.base, ["A request that only warms the server up."], [4], 1, body_extra or {}))   # not a workload prompt: no prefix-cache hit
+        _warm(srv, body_extra)
         return [bench_http_text(name, srv, [r.prompt for r in reqs], [r.max_tokens for r in reqs], c, body_extra) for c in concurrencies]
 
 # %% ../nbs/12_benchmarks.ipynb
@@ -591,7 +595,7 @@ def read_bandwidth_gbs(threads=2, mb=1024, rounds=5) -> float:
 def _one_user(name, cmd, reqs, long_prompt, body=None) -> dict:
     "One server: warmed up, then `reqs` at one client and the long prompt alone; TPOT, TTFT and peak RSS."
     with ServerProcess(cmd, timeout=1800) as srv:
-        asyncio.run(_drive(srv.base, ["A request that only warms the server up."], [4], 1, body or {}))
+        _warm(srv, body)
         one = bench_http_text(name, srv, [r.prompt for r in reqs], [r.max_tokens for r in reqs], 1, {"ignore_eos": True, **(body or {})})
         long = bench_http_text(name, srv, [long_prompt], [1], 1, body)
         return dict(system=name, tpot_ms_p50=one["tpot_ms_p50"], ttft_ms_p50=one["ttft_ms_p50"], long_ttft_ms=long["ttft_ms_p50"],
@@ -656,8 +660,6 @@ def format_size_table(res) -> str:
     return "\n".join(lines)
 
 # %% ../nbs/12_benchmarks.ipynb
-def _warm(srv): asyncio.run(_drive(srv.base, ["A request that only warms the server up."], [4], 1, {}))
-
 def _client_curve(name, cmd, clients, words, max_tokens, seed, min_requests=4) -> tuple[list, int]:
     "One server at each client count in turn: tokens/s, TTFT and TPOT; and its peak RSS."
     with ServerProcess(cmd, timeout=1800) as srv:
@@ -698,9 +700,9 @@ def bench_curves(model, gguf=None, dtype="bfloat16", quantization=None, threads=
 def _series(rows, key):
     "Rows of one curve grouped by system, each as (x, y) lists in x order."
     out = {}
-    for r in rows: out.setdefault(r["system"], []).append(r)
-    return {s: ([r[key[0]] for r in sorted(rs, key=lambda r: r[key[0]])], [r[key[1]] for r in sorted(rs, key=lambda r: r[key[0]])])
-            for s, rs in out.items()}
+    for r in sorted(rows, key=lambda r: r[key[0]]):
+        xs, ys = out.setdefault(r["system"], ([], [])); xs.append(r[key[0]]); ys.append(r[key[1]])
+    return out
 
 def format_curves_table(res) -> str:
     "`bench_curves`' two curves as markdown tables, systems side by side, ours / llama.cpp's last where both ran."
