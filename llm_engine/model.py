@@ -167,6 +167,10 @@ class Llama(nn.Module):
         mc, to = self.config, (lambda r: r if device is None else r.to(device))
         self.rope = to(make_rope(mc.head_dim, mc.max_position_embeddings, mc.rope_theta, mc.rope_scaling))
         self.local_rope = None if mc.local_rope_theta is None else to(RotaryEmbedding(mc.head_dim, mc.max_position_embeddings, mc.local_rope_theta))
+    @property
+    def dtype(self) -> torch.dtype:
+        "The activations' dtype: the final norm's (a table of token embeddings may be stored in fewer bits)."
+        return self.norm.weight.dtype
     decode_step = None   # a fused replacement for the layer loop on decode steps, where one is installed (05b: int8)
     def forward(self, input_ids, positions, md: AttentionMetadata, kv_caches):
         "Hidden states `[T, hidden]` for a flat batch; `kv_caches[i]` is layer i's `(k_cache, v_cache)`."

@@ -15,16 +15,16 @@ from .attention import AttentionMetadata, build_cpu_kernel, load_decode_kernel, 
 from .config import CPU_ISA
 from .rope import RotaryEmbedding
 from .model import (Llama, ModelConfig, PackedLinear, SECOND_COPY_MAX_BYTES, empty_model, load_model, load_tokenizer, load_weights,
-                              resolve_model, second_copy_pays, warn_window_paths)
+                              release_freed_memory, resolve_model, second_copy_pays, warn_window_paths)
 
 # %% auto 0
 __all__ = ['STEP_KERNELS_SRC', 'NO_SCALES', 'WIDEN_CHUNK', 'QUANTIZE_CHUNK', 'Q4_GROUP', 'Q4_BYTES', 'W8A8_ALPHA',
-           'CALIBRATION_CHAT', 'QUANTIZERS', 'FUSED_SWITCHES', 'AS_READ', 'load_step_kernels', 'widen_buffer',
-           'WeightOnlyLinear', 'int8_rows', 'Int8Linear', 'Bf16Linear', 'quantize_q4', 'dequantize_q4', 'Q4Linear',
-           'forward_logits', 'calibration_ids', 'activation_ranges', 'W8A8Linear', 'quantize_linears',
-           'bound_dequantized_copies', 'replace_linears', 'FusedDecode', 'widen_bf16_linears', 'unfused_differences',
-           'PlainHead', 'fuse_decode', 'load_for_serving', 'Agreement', 'compare_logits', 'best_of',
-           'weight_bytes_per_token']
+           'CALIBRATION_CHAT', 'QUANTIZERS', 'FUSED_SWITCHES', 'HUGE_PAGE', 'AS_READ', 'load_step_kernels',
+           'widen_buffer', 'WeightOnlyLinear', 'int8_rows', 'Int8Linear', 'Bf16Linear', 'quantize_q4', 'dequantize_q4',
+           'Q4Linear', 'forward_logits', 'calibration_ids', 'activation_ranges', 'W8A8Linear', 'Int8Embedding',
+           'quantize_linears', 'bound_dequantized_copies', 'replace_linears', 'FusedDecode', 'widen_bf16_linears',
+           'unfused_differences', 'PlainHead', 'fuse_decode', 'huge_page_buffer', 'weights_in_huge_pages',
+           'load_for_serving', 'Agreement', 'compare_logits', 'best_of', 'weight_bytes_per_token']
 
 # %% ../nbs/05b_precision.ipynb
 STEP_KERNELS_SRC = (Path(llm_engine.__file__).parent / "csrc" / "decode_step.cpp").read_text()
@@ -177,7 +177,7 @@ class Q4Linear(WeightOnlyLinear):
 def forward_logits(model, ids: list[int], block_size: int = 16) -> torch.Tensor:
     "fp32 logits `[len(ids), vocab]` of every position of `ids`, prefilled into a fresh paged cache in the model's dtype."
     mc, nb = model.config, -(-len(ids) // block_size)
-    dev, dt = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    dev, dt = model.embed_tokens.weight.device, model.dtype
     kv = torch.zeros(mc.num_layers, 2, nb, block_size, mc.num_kv_heads, mc.head_dim, dtype=dt, device=dev)
     md = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(nb))], block_size, device=dev)
     with torch.inference_mode():
@@ -265,14 +265,28 @@ def _q4_or_int8(lin, name, act):
 # each takes the layer, its attribute name and its calibrated input range (w8a8 only)
 QUANTIZERS = {"int8": lambda lin, name, act: Int8Linear(lin), "q4": _q4_or_int8, "w8a8": lambda lin, name, act: W8A8Linear(lin, act)}
 
+class Int8Embedding(nn.Module):
+    "Token lookup in a tied model's int8 output head: the table is held once, and a token's row is widened when it is read."
+    def __init__(self, head: Int8Linear, dtype=torch.float32):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.register_buffer("weight", head.weight)      # the head's table itself, not a copy
+        # the scales (exact in bf16) in the activations' dtype, which the model's `.to(dtype)` then keeps them in
+        self.register_buffer("scales", head.scales.to(dtype))
+    def forward(self, ids): return self.weight[ids].to(self.scales.dtype) * self.scales[ids].unsqueeze(-1)
+
 def quantize_linears(model: nn.Module, method: str = "int8", model_path=None) -> nn.Module:
-    "Replace every `nn.Linear` (the tied lm_head too; the embedding stays exact) by its quantized form."
+    "Replace every `nn.Linear` (the tied lm_head too) by its quantized form; a tied table becomes the int8 head's."
     if method not in QUANTIZERS: raise ValueError(f"quantization must be one of {', '.join(QUANTIZERS)}, not {method!r}")
     ranges = {}
     if method == "w8a8":      # calibrated on the model's own tokenizer, before any layer changes
         if model_path is None: raise ValueError("w8a8 calibrates on the model's tokenizer: pass model_path")
         ranges = activation_ranges(model, calibration_ids(load_tokenizer(model_path)))
     replace_linears(model, lambda lin, name: QUANTIZERS[method](lin, name.rpartition(".")[2], ranges.get(name)))
+    # a tied table kept in float beside its int8 head was a second copy (Qwen2.5-0.5B's: 272 MB in bf16); as llama.cpp
+    # reads a tied Q8_0 `token_embd` for both, lookups read the head's rows (w8a8's head is smoothed: not the table)
+    if getattr(model, "config", None) is not None and model.config.tie_word_embeddings and type(model.lm_head) is Int8Linear:
+        model.embed_tokens = Int8Embedding(model.lm_head, model.dtype)
     bound_dequantized_copies(model)
     return model
 
@@ -378,11 +392,11 @@ class PlainHead(nn.Module):
 def fuse_decode(model, max_bytes=None) -> bool:
     "Install `FusedDecode` as `model.decode_step` for a CPU model with bf16 activations or quantized weights; True if installed."
     widen_bf16_linears(model)     # first: where the CPU has no bf16 arithmetic, the bf16 linears become our kernels' too
-    w, lins = model.embed_tokens.weight, [q for l in model.layers for q in FusedDecode._lins(l)]
+    w, dt, lins = model.embed_tokens.weight, model.dtype, [q for l in model.layers for q in FusedDecode._lins(l)]
     quantized = all(isinstance(q, WeightOnlyLinear) for q in lins)     # their kernel and bias are the checks below
     ok = (w.device.type == "cpu" and all(type(q) in (nn.Linear, Int8Linear, Q4Linear, W8A8Linear, Bf16Linear) for q in lins)
           and all(q.bias is None for l in model.layers for q in FusedDecode._lins(l)[1:])     # only q/k/v may have biases
-          and (w.dtype == torch.bfloat16 or (w.dtype == torch.float32 and quantized))
+          and (dt == torch.bfloat16 or (dt == torch.float32 and quantized))
           and load_step_kernels() is None)    # fp32 without int8 (the exact path the parity tests hold) keeps the layer loop
     # the one-call layer is Llama's layer (with q/k/v biases): a family that differs otherwise (q/k norms, sandwich norms,
     # GeGLU, windows: 05c) keeps the loop
@@ -394,10 +408,43 @@ def fuse_decode(model, max_bytes=None) -> bool:
     # steps are short enough for Python's calls to matter; past SECOND_COPY_MAX_BYTES the copy costs more than it buys
     one_call = quantized or second_copy_pays(model, max_bytes)
     head = model.lm_head
-    if ok and not differs and not one_call and type(head) is nn.Linear and head.weight is w and w.dtype == torch.bfloat16:
+    if ok and not differs and not one_call and type(head) is nn.Linear and head.weight is w and dt == torch.bfloat16:
         model.lm_head = PlainHead(head, FusedDecode.BF16_ROWS)      # prepack_linears leaves a big model's tied head plain
     model.decode_step = FusedDecode(model, one_call) if ok and not differs else None
     return model.decode_step is not None
+
+# %% ../nbs/05b_precision.ipynb
+import mmap
+HUGE_PAGE = 2 << 20
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor|None:
+    "`nbytes` of zeroed uint8 memory, 2 MB-aligned, that Linux may back with transparent huge pages; None without `madvise`."
+    if not hasattr(mmap, "MADV_HUGEPAGE"): return None
+    m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # private: shared memory has its own THP switch
+    t = torch.frombuffer(m, dtype=torch.uint8)      # the tensor keeps the mapping alive
+    start = -t.data_ptr() % HUGE_PAGE               # untouched slack either side costs address space only
+    m.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    return t[start:start + nbytes]
+
+def weights_in_huge_pages(model: nn.Module) -> int:
+    "Move the weight-only layers' weights (and every module holding the same tensor) into one huge-page region; bytes moved."
+    holders = {}     # a tied table's int8 rows are the head's and the embedding's
+    for mod in model.modules():
+        for name, b in mod._buffers.items():
+            if b is not None: holders.setdefault(id(b), []).append((mod, name))
+    ws = list({id(q.weight): q.weight for q in model.modules() if isinstance(q, WeightOnlyLinear)
+               and q.weight.device.type == "cpu" and q.weight.is_contiguous()}.values())
+    sizes = [-(-w.numel() * w.element_size() // 64) * 64 for w in ws]    # each tensor 64-byte aligned
+    buf = huge_page_buffer(sum(sizes)) if ws else None
+    if buf is None: return 0
+    off = 0
+    for n in sizes:     # one at a time, popped: each old tensor is freed once its copy is in place (the peak: one tensor over)
+        w = ws.pop(0)
+        new = buf[off:off + w.numel() * w.element_size()].view(w.dtype).view(w.shape).copy_(w)
+        for mod, name in holders.pop(id(w), []): mod._buffers[name] = new
+        off += n
+    release_freed_memory()
+    return off
 
 # %% ../nbs/05b_precision.ipynb
 AS_READ = ("int8", "q4")     # quantized layer by layer as the file is read; w8a8 calibrates on the whole fp32 model first
@@ -423,6 +470,7 @@ def load_for_serving(model=None, dtype=torch.float32, device="cpu", quantization
         m = load_weights(m, path, _quantize_as_read(m, quantization) if as_read else None)
         quantize_linears(m, quantization, path)     # from the fp32 weights, before the cast: what was not done as read
         m = m.to(dtype).eval()
+        weights_in_huge_pages(m)
         warn_window_paths(m)
     if not unfused_differences(m.config): fuse_decode(m)
     return m, path

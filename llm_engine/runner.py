@@ -41,7 +41,7 @@ class ModelRunner:
     can_pool = True     # returns pooling rows' hidden states (`RunnerOutput.pooled`); the engine asks before it admits one
     def __init__(self, model: Llama, num_blocks, block_size, num_cpu_blocks=0, prepack=True, attention_backend="auto",
                  kv_cache_dtype="auto"):
-        mc, dt = model.config, model.embed_tokens.weight.dtype
+        mc, dt = model.config, model.dtype
         self.device = model.embed_tokens.weight.device
         self.model, self.block_size = prepack_linears(model) if prepack else model, block_size
         self.attention_fn = None
