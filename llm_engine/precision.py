@@ -103,6 +103,9 @@ def int8_rows(w: torch.Tensor, chunk: int|None = None) -> tuple[torch.Tensor, to
 
 class Int8Linear(WeightOnlyLinear):
     "int8 weights with one scale per output channel (symmetric, from the fp32 weights)."
+    # AVX2: from 4 rows the same two-rows-at-a-time kernel as `Bf16Linear`'s (below), 107-137 GFLOP/s at 24-128 rows on
+    # TinyLlama-1.1B's shapes where the row kernel gave 86-90 and MKL on the weight widened per call 47-132
+    small_batch = WeightOnlyLinear.small_batch if CPU_ISA.bf16 else 128
     def __init__(self, lin: nn.Linear):
         super().__init__(lin)
         q, scales = int8_rows(lin.weight)
@@ -120,7 +123,7 @@ class Int8Linear(WeightOnlyLinear):
 
 class Bf16Linear(WeightOnlyLinear):
     "bf16 weights on a CPU without bf16 arithmetic (AVX2): widened to fp32 in our kernel up to `small_batch` rows, per call for more."
-    # from 4 rows our kernel takes two weight rows at a time (csrc: pair_bf16_avx2): at 16-64 rows 146-175 GFLOP/s on
+    # from 4 rows our kernel takes two weight rows at a time (csrc: pair_avx2): at 16-64 rows 146-175 GFLOP/s on
     # TinyLlama-1.1B's three shapes under the AVX2 override, against 69-141 for MKL's AVX2 fp32 matmul on the weight
     # widened per call; even at 128 rows (157-166 for both); at 256 and more MKL's wins (176-199 against 144-170)
     small_batch = 128
@@ -219,6 +222,7 @@ def activation_ranges(model: nn.Module, ids: list[int]) -> dict[str, torch.Tenso
 # %% ../nbs/05b_precision.ipynb
 class W8A8Linear(Int8Linear):
     "`Int8Linear` for a few rows; for large batches int8 activations too: SmoothQuant scaling, a scale per row, VNNI matmul."
+    small_batch = WeightOnlyLinear.small_batch      # its large batches are its own path: not `Int8Linear`'s AVX2 bound
     def __init__(self, lin: nn.Linear, act_range: torch.Tensor, alpha: float = W8A8_ALPHA):
         super().__init__(lin)
         w = lin.weight.detach().float()

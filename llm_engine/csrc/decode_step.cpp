@@ -162,15 +162,28 @@ static void block_avx2(const float* x, int64_t M, int64_t K, const W* w, const f
 #endif
 
 #if defined(LLM_AVX2)
-// bf16 weights for more rows (AVX2 has no bf16 arithmetic, and a batch of 32 decode rows lands here): widening a row
-// with a shift costs one uop on the FMA ports for every FMA-sized load, and re-reading the four rows of x for every
-// weight row leaves one load per FMA. Two weight rows at a time (each x load serves both) widened by interleaving
-// with zero (vpunpcklwd / vpunpckhwd: port 5 only) take both costs off the FMA ports. The interleave yields weights
-// 0-3 and 8-11 of 16 (then 4-7, 12-15), so x is copied once per call into that order (BF16_PERM).
-constexpr int BF16_PAIR_MIN_ROWS = 4;       // rows from which the pair kernel runs (below: row_avx2, bandwidth-bound)
-constexpr int64_t BF16_N_BLOCK = 64;        // weight rows kept in L2 while every group of x rows passes over them
-constexpr int64_t BF16_K_BLOCK = 2048;      // and columns: four rows of x, 32 KB, stay in L1
-static void bf16_perm_rows(const float* x, int64_t M, int64_t K, float* xp) {
+// bf16 and int8 weights for more rows (AVX2 has no bf16 arithmetic, and a batch of 32 decode rows lands here):
+// widening a row with a shift costs one uop on the FMA ports for every FMA-sized load, and re-reading the four rows
+// of x for every weight row leaves one load per FMA. Two weight rows at a time (each x load serves both) widened by
+// interleaving with zero (vpunpcklwd / vpunpckhwd: port 5 only) take both costs off the FMA ports. The interleave
+// yields weights 0-3 and 8-11 of 16 (then 4-7, 12-15), so x is copied once per call into that order
+// (perm_rows). bf16 interleaved under zero is its fp32 value; int8, sign-extended to 16 bits first, becomes
+// its value times 2^16 as an int32, exact in fp32 (PairWeights::unit folds the 2^16 into the row's scale).
+template <typename W> struct PairWeights;
+template <> struct PairWeights<at::BFloat16> {
+  static constexpr float unit = 1.f;
+  static __m256i load(const at::BFloat16* p) { return _mm256_loadu_si256((const __m256i*)p); }
+  static __m256 half(__m256i v, int h) { const __m256i z = _mm256_setzero_si256(); return _mm256_castsi256_ps(h ? _mm256_unpackhi_epi16(z, v) : _mm256_unpacklo_epi16(z, v)); }
+};
+template <> struct PairWeights<int8_t> {
+  static constexpr float unit = 1.f / 65536.f;
+  static __m256i load(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)); }
+  static __m256 half(__m256i v, int h) { const __m256i z = _mm256_setzero_si256(); return _mm256_cvtepi32_ps(h ? _mm256_unpackhi_epi16(z, v) : _mm256_unpacklo_epi16(z, v)); }
+};
+constexpr int PAIR_MIN_ROWS = 4;            // rows from which the pair kernel runs (below: row_avx2, bandwidth-bound)
+constexpr int64_t PAIR_N_BLOCK = 64;        // weight rows kept in L2 while every group of x rows passes over them
+constexpr int64_t PAIR_K_BLOCK = 2048;      // and columns: four rows of x, 32 KB, stay in L1
+static void perm_rows(const float* x, int64_t M, int64_t K, float* xp) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; k += 16) {
       const float* s = x + m * K + k; float* d = xp + m * K + k;
@@ -178,40 +191,43 @@ static void bf16_perm_rows(const float* x, int64_t M, int64_t K, float* xp) {
     }
 }
 
-template <int P, int R>     // P weight rows (1 or 2) by R rows of x (1-4): P * R accumulators, over k0 <= k < k1
-static void pair_bf16_avx2(const float* xp, int64_t K, const at::BFloat16* w, float* y, int64_t N, int64_t k0, int64_t k1) {
+template <typename W, int P, int R>     // P weight rows (1 or 2) by R rows of x (1-4): P * R accumulators, over k0 <= k < k1
+static void pair_avx2(const float* xp, int64_t K, const W* w, const float* sc, float* y, int64_t N, int64_t k0, int64_t k1) {
   __m256 acc[P][R];
   for (int p = 0; p < P; ++p) for (int r = 0; r < R; ++r) acc[p][r] = _mm256_setzero_ps();
-  const __m256i z = _mm256_setzero_si256();
   for (int64_t k = k0; k < k1; k += 16) {
     __m256i wv[P];
-    for (int p = 0; p < P; ++p) wv[p] = _mm256_loadu_si256((const __m256i*)(w + p * K + k));
+    for (int p = 0; p < P; ++p) wv[p] = PairWeights<W>::load(w + p * K + k);
     for (int half = 0; half < 2; ++half) {
       __m256 wf[P];
-      for (int p = 0; p < P; ++p) wf[p] = _mm256_castsi256_ps(half ? _mm256_unpackhi_epi16(z, wv[p]) : _mm256_unpacklo_epi16(z, wv[p]));
+      for (int p = 0; p < P; ++p) wf[p] = PairWeights<W>::half(wv[p], half);
       for (int r = 0; r < R; ++r) {
         const __m256 xv = _mm256_loadu_ps(xp + r * K + k + 8 * half);
         for (int p = 0; p < P; ++p) acc[p][r] = _mm256_fmadd_ps(wf[p], xv, acc[p][r]);
       }
     }
   }
-  for (int p = 0; p < P; ++p) for (int r = 0; r < R; ++r) y[r * N + p] = (k0 ? y[r * N + p] : 0.f) + hsum8(acc[p][r]);
+  for (int p = 0; p < P; ++p) {
+    const float s = (sc ? sc[p] : 1.f) * PairWeights<W>::unit;
+    for (int r = 0; r < R; ++r) y[r * N + p] = (k0 ? y[r * N + p] : 0.f) + hsum8(acc[p][r]) * s;
+  }
 }
 
-static void block_bf16_pairs_avx2(const float* xp, int64_t M, int64_t K, const at::BFloat16* w, float* y,
-                                  int64_t N, int64_t n0, int64_t n1) {
-  using F = void (*)(const float*, int64_t, const at::BFloat16*, float*, int64_t, int64_t, int64_t);
-  static const F two[5] = {nullptr, pair_bf16_avx2<2, 1>, pair_bf16_avx2<2, 2>, pair_bf16_avx2<2, 3>, pair_bf16_avx2<2, 4>};
-  static const F one[5] = {nullptr, pair_bf16_avx2<1, 1>, pair_bf16_avx2<1, 2>, pair_bf16_avx2<1, 3>, pair_bf16_avx2<1, 4>};
-  for (int64_t b = n0; b < n1; b += BF16_N_BLOCK) {
-    const int64_t e = std::min(n1, b + BF16_N_BLOCK);
-    for (int64_t k0 = 0; k0 < K; k0 += BF16_K_BLOCK) {
-      const int64_t k1 = std::min(K, k0 + BF16_K_BLOCK);
+template <typename W>
+static void block_pairs_avx2(const float* xp, int64_t M, int64_t K, const W* w, const float* sc, float* y,
+                             int64_t N, int64_t n0, int64_t n1) {
+  using F = void (*)(const float*, int64_t, const W*, const float*, float*, int64_t, int64_t, int64_t);
+  static const F two[5] = {nullptr, pair_avx2<W, 2, 1>, pair_avx2<W, 2, 2>, pair_avx2<W, 2, 3>, pair_avx2<W, 2, 4>};
+  static const F one[5] = {nullptr, pair_avx2<W, 1, 1>, pair_avx2<W, 1, 2>, pair_avx2<W, 1, 3>, pair_avx2<W, 1, 4>};
+  for (int64_t b = n0; b < n1; b += PAIR_N_BLOCK) {
+    const int64_t e = std::min(n1, b + PAIR_N_BLOCK);
+    for (int64_t k0 = 0; k0 < K; k0 += PAIR_K_BLOCK) {
+      const int64_t k1 = std::min(K, k0 + PAIR_K_BLOCK);
       for (int64_t m = 0; m < M; m += RB) {
         const int r = (int)std::min<int64_t>(RB, M - m);
         int64_t n = b;
-        for (; n + 2 <= e; n += 2) two[r](xp + m * K, K, w + n * K, y + m * N + n, N, k0, k1);
-        if (n < e) one[r](xp + m * K, K, w + n * K, y + m * N + n, N, k0, k1);
+        for (; n + 2 <= e; n += 2) two[r](xp + m * K, K, w + n * K, sc ? sc + n : nullptr, y + m * N + n, N, k0, k1);
+        if (n < e) one[r](xp + m * K, K, w + n * K, sc ? sc + n : nullptr, y + m * N + n, N, k0, k1);
       }
     }
   }
@@ -244,11 +260,11 @@ static void matmul_into(const float* xp, int64_t M, int64_t K, const W* wp, cons
                         bool generic) {
   const bool vec = !generic && has_vector_path() && K % 16 == 0;
 #if defined(LLM_AVX2)
-  if constexpr (std::is_same_v<W, at::BFloat16>) {
-    if (vec && M >= BF16_PAIR_MIN_ROWS) {
+  if constexpr (std::is_same_v<W, at::BFloat16> || std::is_same_v<W, int8_t>) {
+    if (vec && M >= PAIR_MIN_ROWS) {
       std::vector<float> xperm(M * K);
-      bf16_perm_rows(xp, M, K, xperm.data());
-      at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) { block_bf16_pairs_avx2(xperm.data(), M, K, wp, yp, N, n0, n1); });
+      perm_rows(xp, M, K, xperm.data());
+      at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) { block_pairs_avx2(xperm.data(), M, K, wp, sp, yp, N, n0, n1); });
       return;
     }
   }
