@@ -124,7 +124,7 @@ class Int8Linear(WeightOnlyLinear):
 class Bf16Linear(WeightOnlyLinear):
     "bf16 weights on a CPU without bf16 arithmetic (AVX2): widened to fp32 in our kernel up to `small_batch` rows, per call for more."
     # from 4 rows our kernel takes two weight rows at a time (csrc: pair_avx2): at 16-64 rows 146-175 GFLOP/s on
-    # TinyLlama-1.1B's three shapes under the AVX2 override, against 69-141 for MKL's AVX2 fp32 matmul on the weight
+    # TinyLlama-1.1B's three shapes under the AVX2 override, against 72-144 for MKL's AVX2 fp32 matmul on the weight
     # widened per call; even at 128 rows (157-166 for both); at 256 and more MKL's wins (176-199 against 144-170)
     small_batch = 128
     def __init__(self, lin: nn.Linear):
