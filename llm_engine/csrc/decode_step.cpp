@@ -263,9 +263,13 @@ static void matmul_into(const float* xp, int64_t M, int64_t K, const W* wp, cons
 #if defined(LLM_AVX2)
   if constexpr (std::is_same_v<W, at::BFloat16> || std::is_same_v<W, int8_t>) {
     if (vec && M >= PAIR_MIN_ROWS) {
-      std::vector<float> xperm(M * K);
-      perm_rows(xp, M, K, xperm.data());
-      at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) { block_pairs_avx2(xperm.data(), M, K, wp, sp, yp, N, n0, n1); });
+      // grown once and kept, not a zero-filled allocation per call; the workers get its pointer (a thread_local named
+      // inside the lambda would be each worker's own, empty one)
+      thread_local std::vector<float> xperm;
+      if (xperm.size() < size_t(M * K)) xperm.resize(M * K);
+      float* xq = xperm.data();
+      perm_rows(xp, M, K, xq);
+      at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) { block_pairs_avx2(xq, M, K, wp, sp, yp, N, n0, n1); });
       return;
     }
   }
