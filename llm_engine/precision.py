@@ -430,13 +430,17 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor|None:
     m.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
     return t[start:start + nbytes]
 
+def _same(t): return (t.data_ptr(), t.dtype, tuple(t.shape))     # one tensor's memory, whichever object holds it
+
 def weights_in_huge_pages(model: nn.Module) -> int:
-    "Move the weight-only layers' weights (and every module holding the same tensor) into one huge-page region; bytes moved."
-    holders = {}     # a tied table's int8 rows are the head's and the embedding's
+    "Move the weight-only layers' weights (and every buffer or parameter on the same memory) into one huge-page region; bytes moved."
+    # call it before `fuse_decode`, whose step keeps its own references to the weights it reads
+    holders = {}     # a tied table is the head's and the embedding's: an int8 buffer, or a bf16 Parameter and a detached view
     for mod in model.modules():
-        for name, b in mod._buffers.items():
-            if b is not None: holders.setdefault(id(b), []).append((mod, name))
-    ws = list({id(q.weight): q.weight for q in model.modules() if isinstance(q, WeightOnlyLinear)
+        for kind in ("_buffers", "_parameters"):
+            for name, b in getattr(mod, kind).items():
+                if b is not None: holders.setdefault(_same(b), []).append((mod, kind, name))
+    ws = list({_same(q.weight): q.weight for q in model.modules() if isinstance(q, WeightOnlyLinear)
                and q.weight.device.type == "cpu" and q.weight.is_contiguous()}.values())
     sizes = [-(-w.numel() * w.element_size() // 64) * 64 for w in ws]    # each tensor 64-byte aligned
     buf = huge_page_buffer(sum(sizes)) if ws else None
@@ -445,7 +449,8 @@ def weights_in_huge_pages(model: nn.Module) -> int:
     for n in sizes:     # one at a time, popped: each old tensor is freed once its copy is in place (the peak: one tensor over)
         w = ws.pop(0)
         new = buf[off:off + w.numel() * w.element_size()].view(w.dtype).view(w.shape).copy_(w)
-        for mod, name in holders.pop(id(w), []): mod._buffers[name] = new
+        for mod, kind, name in holders.pop(_same(w), []):
+            getattr(mod, kind)[name] = new if kind == "_buffers" else nn.Parameter(new, requires_grad=False)
         off += n
     release_freed_memory()
     return off
@@ -474,9 +479,11 @@ def load_for_serving(model=None, dtype=torch.float32, device="cpu", quantization
         m = load_weights(m, path, _quantize_as_read(m, quantization) if as_read else None)
         quantize_linears(m, quantization, path)     # from the fp32 weights, before the cast: what was not done as read
         m = m.to(dtype).eval()
-        weights_in_huge_pages(m)
         warn_window_paths(m)
-    if not unfused_differences(m.config): fuse_decode(m)
+    fused = not unfused_differences(m.config)
+    if fused: widen_bf16_linears(m)     # fuse_decode's first step, taken here so that AVX2's bf16 weights move too
+    weights_in_huge_pages(m)            # before fuse_decode, which keeps references to the weights
+    if fused: fuse_decode(m)
     return m, path
 
 # %% ../nbs/05b_precision.ipynb
