@@ -18,7 +18,7 @@ from .model import (Llama, ModelConfig, PackedLinear, SECOND_COPY_MAX_BYTES, emp
                               release_freed_memory, resolve_model, second_copy_pays, warn_window_paths)
 
 # %% auto 0
-__all__ = ['STEP_KERNELS_SRC', 'NO_SCALES', 'WIDEN_CHUNK', 'QUANTIZE_CHUNK', 'Q4_GROUP', 'Q4_BYTES', 'W8A8_ALPHA',
+__all__ = ['STEP_KERNELS_SRC', 'NO_SCALES', 'WIDEN_CHUNK', 'QUANTIZE_CHUNK', 'Q4_GROUP', 'Q4_BYTES', 'Q4_SPAN', 'W8A8_ALPHA',
            'CALIBRATION_CHAT', 'QUANTIZERS', 'FUSED_SWITCHES', 'HUGE_PAGE', 'AS_READ', 'load_step_kernels',
            'widen_buffer', 'WeightOnlyLinear', 'int8_rows', 'Int8Linear', 'Bf16Linear', 'quantize_q4', 'dequantize_q4',
            'Q4Linear', 'forward_logits', 'calibration_ids', 'activation_ranges', 'W8A8Linear', 'Int8Embedding',
@@ -136,10 +136,12 @@ class Bf16Linear(WeightOnlyLinear):
 
 
 # %% ../nbs/05b_precision.ipynb
-Q4_GROUP, Q4_BYTES = 32, 20      # weights per block; bytes per block: d and m (fp16), then 16 bytes of two nibbles each
+Q4_GROUP, Q4_BYTES, Q4_SPAN = 32, 20, 16  # weights a block; its bytes (d and m in fp16, 32 nibbles); blocks a group
+
+def _q4_groups(G: int): return [(g, min(Q4_SPAN, G - g)) for g in range(0, G, Q4_SPAN)]
 
 def quantize_q4(w: torch.Tensor, chunk: int|None = None) -> torch.Tensor:
-    "`w` [N, K] as Q4_1 blocks, uint8 [N, K/32 * 20]; per row all (d, m) pairs, then the blocks' bytes interleaved two by two."
+    "`w` [N, K] as Q4_1 blocks, uint8 [N, K/32 * 20], in groups of 16 blocks: their d's, their m's, then 4 chunks of nibbles."
     N, K = w.shape
     if K % (2 * Q4_GROUP): raise ValueError(f"q4 needs an input width that is a multiple of {2 * Q4_GROUP}, not {K}")
     # rows a chunk at a time (`QUANTIZE_CHUNK` weights): the temporaries of a 1.1B model's gate_up were 0.4 GB at once
@@ -150,21 +152,29 @@ def quantize_q4(w: torch.Tensor, chunk: int|None = None) -> torch.Tensor:
     lo = g.amin(-1)
     d, m = ((g.amax(-1) - lo) / 15).half(), lo.half()
     q = torch.round((g - m.float()[..., None]) / d.float().clamp(min=1e-30)[..., None]).clamp(0, 15).to(torch.uint8)
-    dm = torch.stack([d, m], -1).view(torch.uint8).reshape(N, -1)           # the fp16 values' bytes
-    qs = (q[..., :16] | (q[..., 16:] << 4)).reshape(N, -1, 2, 16).transpose(2, 3)  # file bytes j of blocks 2p, 2p+1 side by side
-    return torch.cat([dm, qs.reshape(N, -1)], -1).contiguous()
+    parts = []
+    for g0, n in _q4_groups(K // Q4_GROUP):
+        # weight j = 8k + 2c + e of block i: nibble k of 16-bit word e of block i's 4 bytes in chunk c
+        qc = q[:, g0:g0 + n].reshape(N, n, 4, 4, 2).permute(0, 3, 1, 4, 2)     # [N, c, i, e, k]
+        parts += [d[:, g0:g0 + n].view(torch.uint8), m[:, g0:g0 + n].view(torch.uint8),
+                  (qc[..., 0::2] | qc[..., 1::2] << 4).reshape(N, 16 * n)]
+    return torch.cat(parts, -1).contiguous()
 
 def dequantize_q4(p: torch.Tensor) -> torch.Tensor:
     "The fp32 weight [N, K] that Q4 rows `p` [N, K/32 * 20] stand for: d·q + m."
     N, G = p.shape[0], p.shape[1] // Q4_BYTES
-    dm = p[:, :4 * G].contiguous().view(torch.float16).float().reshape(N, G, 2)
-    b = p[:, 4 * G:].reshape(N, G // 2, 16, 2).transpose(2, 3).reshape(N, G, 16)
-    q = torch.cat([b & 15, b >> 4], -1).float()
-    return torch.addcmul(dm[..., 1:], q, dm[..., :1]).reshape(N, -1)
+    out, at = [], 0
+    for g0, n in _q4_groups(G):
+        grp = p[:, at:at + Q4_BYTES * n]; at += Q4_BYTES * n
+        d, m = (grp[:, o:o + 2 * n].contiguous().view(torch.float16).float() for o in (0, 2 * n))
+        b = grp[:, 4 * n:].reshape(N, 4, n, 2, 2)                                  # [N, c, i, e, byte]
+        q = torch.stack([b & 15, b >> 4], -1).reshape(N, 4, n, 2, 4).permute(0, 2, 4, 1, 3).reshape(N, n, Q4_GROUP)
+        out.append(torch.addcmul(m[..., None], q.float(), d[..., None]))
+    return torch.cat(out, 1).reshape(N, -1)
 
 class Q4Linear(WeightOnlyLinear):
     "4-bit weights in GGUF's Q4_1 blocks: a scale and a minimum per 32 weights."
-    small_batch = 4 if CPU_ISA.bf16 else 64    # widening Q4 costs more, so our kernel keeps more rows (AVX2, measured below)
+    small_batch = 4 if CPU_ISA.bf16 else 32    # without bf16 our kernel keeps more rows than int8's (AVX2, measured below)
     def __init__(self, lin: nn.Linear):
         super().__init__(lin)
         self.register_buffer("weight", quantize_q4(lin.weight))

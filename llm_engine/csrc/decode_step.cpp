@@ -5,8 +5,8 @@
 //   (pair_avx2: two weight rows at a time), where it beats MKL on weights widened per call.
 // - add_rms_norm, rope_store, silu_mul: the small operations between a layer's matmuls, one call each instead of
 //   five to ten PyTorch calls, for fp32 or bf16 activations (arithmetic in fp32, results rounded to the activations' dtype).
-// - q4_linear: the same for 4-bit weights in GGUF's Q4_1 blocks (a scale and a minimum per 32 weights); on AVX2 the
-//   activations of up to 3 rows are rounded to 16 bits per block of 32 and the products are 8-bit integer multiply-adds.
+// - q4_linear: the same for 4-bit weights in GGUF's Q4_1 blocks (a scale and a minimum per 32 weights), laid out in
+//   groups of 16 blocks; the activations are rounded to 16 bits per block of 32 and the products are integer multiply-adds.
 // - decode_layers: every decoder layer of a decode step for a few rows in one call (decode_layer: one of them), weights
 //   Q4, int8 (with scales), bf16 or fp32; q/k/v biases where the family has them (Qwen2).
 #include <ATen/ATen.h>
@@ -304,233 +304,182 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& w_, const at::Ten
 // ---- 4-bit weights: GGUF's Q4_1 blocks of 32 weights along k, each a scale d and a minimum m (fp16) and 32 4-bit q,
 // weight = d q + m. Weights de-quantized from a Q4_1 file (the embedded model's layers) are held exactly, in 0.625
 // bytes per weight against int8's 1: a decode step streams its weights, so fewer bytes is a faster step.
-// A row of K weights (K a multiple of 64, G = K / 32 blocks) is laid out for the kernel rather than as the file has it:
-// first the G (d, m) pairs (4 bytes each), then the blocks two by two, 32 bytes per pair: byte 2j is block 2p's byte j
-// (its weight j in the low nibble, weight j + 16 in the high one, as in the file) and byte 2j + 1 block 2p + 1's byte j.
-// So one 16-bit lane holds the four nibbles of weight j of both blocks, and one widening load serves 64 weights.
-constexpr int64_t Q4_GROUP = 32, Q4_BYTES = 20;
+// A row of K weights (K a multiple of 64, G = K / 32 blocks) is laid out for the kernels rather than as the file has
+// it, in groups of 16 blocks (512 weights; the row's last group has the n = G mod 16 blocks left, if any): the group's
+// n scales d (fp16), its n minimums m, then 4 chunks of 4n bytes. In chunk c, the 4 bytes at 4i are block i's, two
+// 16-bit words e = 0, 1, each holding four nibbles k = 0..3 (bits 4k..4k+3): nibble k of word e of chunk c is the
+// block's weight j = 8k + 2c + e. So one 32-bit lane of a vector of chunk bytes belongs to one block, and its four
+// nibble planes, each masked or shifted out in 16-bit lanes, meet the activations in multiply-adds whose 32-bit sums
+// stay within their block: a 16-lane accumulator holds a group's 16 blocks, scaled by a vector of 16 d's at the end.
+constexpr int64_t Q4_GROUP = 32, Q4_BYTES = 20, Q4_SPAN = 16;    // weights a block; bytes a block; blocks a group
 
 static inline float half_bits(const uint8_t* p) {
   uint16_t h; std::memcpy(&h, p, 2); return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
-
-// the Q4 vector kernels' outer loop: each weight row n of [n0, n1) against the rows of x RB at a time, while the
-// weight row stays in L1; row(n, m, rows, dm) runs one group (dm: the thread's room for a row's (d, m) pairs in fp32)
-template <typename Row>
-static void q4_row_groups(int64_t M, int64_t K, int64_t n0, int64_t n1, Row&& row) {
-  thread_local std::vector<float> dm;
-  dm.resize(2 * K / Q4_GROUP);
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m = 0; m < M; m += RB) row(n, m, std::min<int64_t>(RB, M - m), dm.data());
+// where group g of a row starts, and how many blocks it has
+static inline const uint8_t* q4_group(const uint8_t* row, int64_t g) { return row + g * Q4_SPAN * Q4_BYTES; }
+static inline int q4_blocks(int64_t G, int64_t g) { return (int)std::min<int64_t>(Q4_SPAN, G - g * Q4_SPAN); }
+// weight j of block i of a group of n blocks at grp: its 4-bit q
+static inline int q4_nibble(const uint8_t* grp, int n, int i, int j) {
+  const int k = j / 8, c = j / 2 % 4, e = j % 2;
+  return grp[4 * n + 4 * n * c + 4 * i + 2 * e + k / 2] >> (4 * (k % 2)) & 15;
 }
 
+// the portable path, exact fp32 (the weights d q + m, one rounding): any CPU, and the vector path's reference
 static void block_q4_generic(const float* x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t G = K / Q4_GROUP;
+  const int64_t G = K / Q4_GROUP, S = (G + Q4_SPAN - 1) / Q4_SPAN;
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t m = 0; m < M; ++m) {
-      const uint8_t *row = w + n * G * Q4_BYTES, *qs = row + 4 * G;
       float acc = 0.f;
-      for (int64_t g = 0; g < G; ++g) {
-        const float d = half_bits(row + 4 * g), mn = half_bits(row + 4 * g + 2), *xr = x + m * K + g * Q4_GROUP;
-        const uint8_t* b = qs + 32 * (g / 2) + g % 2;
-        for (int j = 0; j < 16; ++j) acc += xr[j] * (d * (b[2 * j] & 15) + mn) + xr[j + 16] * (d * (b[2 * j] >> 4) + mn);
+      for (int64_t g = 0; g < S; ++g) {
+        const uint8_t* grp = q4_group(w + n * G * Q4_BYTES, g); const int nb = q4_blocks(G, g);
+        for (int i = 0; i < nb; ++i) {
+          const float d = half_bits(grp + 2 * i), mn = half_bits(grp + 2 * nb + 2 * i), *xr = x + m * K + (g * Q4_SPAN + i) * Q4_GROUP;
+          for (int j = 0; j < Q4_GROUP; ++j) acc += xr[j] * std::fma(d, (float)q4_nibble(grp, nb, i, j), mn);
+        }
       }
       y[m * N + n] = acc;
     }
 }
 
-#if defined(__AVX512F__)
-// A block's 16 possible weights, d * [0..15] + m, are a table of 16 floats, one register: vpermps looks each 4-bit q
-// up in it (it reads only an index's low 4 bits, so a shift is all a nibble needs), with no int-to-float conversion.
-// d q + m is one rounding, as the de-quantizer computes it: the weights multiplied are bit for bit the fp32 ones.
-template <int R>
-static void row_q4_avx512(const float* x, int64_t K, const uint8_t* wr, float* y, int64_t N, float* dm) {
-  const __m512 iota = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
-  const int64_t G = K / Q4_GROUP;
-  int64_t i = 0;     // the row's (d, m) to fp32 first, 8 pairs per conversion; the blocks then broadcast them from memory
-  for (; i + 16 <= 2 * G; i += 16) _mm512_storeu_ps(dm + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wr + 2 * i))));
-  for (; i < 2 * G; ++i) dm[i] = half_bits(wr + 2 * i);
-  const uint8_t* qs = wr + 4 * G;
-  __m512 acc[4][R];
-  for (int u = 0; u < 4; ++u) for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < G / 2; ++p) {
-    _mm_prefetch((const char*)(qs + 32 * p + WEIGHT_PREFETCH), _MM_HINT_T0);
-    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(qs + 32 * p)));
-    const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[4 * p]), _mm512_set1_ps(dm[4 * p + 1]));
-    const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[4 * p + 2]), _mm512_set1_ps(dm[4 * p + 3]));
-    const __m512 w[4] = {_mm512_permutexvar_ps(v, t0), _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t0),
-                         _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), t1), _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), t1)};
-    for (int r = 0; r < R; ++r)
-      for (int u = 0; u < 4; ++u) acc[u][r] = _mm512_fmadd_ps(w[u], _mm512_loadu_ps(x + r * K + 64 * p + 16 * u), acc[u][r]);
-  }
-  for (int r = 0; r < R; ++r)
-    y[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0][r], acc[1][r]), _mm512_add_ps(acc[2][r], acc[3][r])));
-}
+#if defined(__AVX512F__) || defined(LLM_AVX2)
+// The vector kernels multiply in integers. No CPU multiplies a 4-bit weight by an fp32 activation: widening each
+// nibble to fp32 took more instructions than the multiply-add, and bound a one-row step below the memory's pace
+// (AVX-512 with a 16-float lookup table: 20 billion weights a second a core from L2). So each activation is rounded
+// to 16 bits per block of 32 (the weights' blocks): x = d_x q_x, d_x = max|x| / 32767, |q_x| <= 32767, and the
+// nibbles meet them in vpmaddwd (16 x 16-bit products, pairs added in 32 bits: at most 2 * 15 * 32767, 16 of them
+// per lane and group, far from overflow). A block adds d_w d_x sum(q_w q_x) + m_w sum(x): the minimum meets the
+// block's exact fp32 sum, and the activations are off by at most max|x| / 65,534 (a few parts in 1e5 of a result;
+// one byte alone, as llama.cpp's Q8_1 rounds, moved SmolLM2's greedy choice off fp32's at 2.7% of positions, against
+// 1%). Activations are laid out as the weights' nibble planes come out: per row and group 512 q_x (chunk c, plane k:
+// 32 words, word 2i + e of block i's weight 8k + 2c + e; blocks past the row's end zero), then 16 d_x, 16 sums.
+struct Q4Acts { std::vector<int16_t> q; std::vector<float> d, s; int64_t S = 0; };
 
-static void block_q4_avx512(const float* x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
-  static void (*const rows[RB + 1])(const float*, int64_t, const uint8_t*, float*, int64_t, float*) =
-      {nullptr, row_q4_avx512<1>, row_q4_avx512<2>, row_q4_avx512<3>, row_q4_avx512<4>};
-  q4_row_groups(M, K, n0, n1, [&](int64_t n, int64_t m, int64_t r, float* dm) {
-    rows[r](x + m * K, K, w + n * K / Q4_GROUP * Q4_BYTES, y + m * N + n, N, dm); });
-}
-#endif
-
-#if defined(LLM_AVX2)
-// AVX2 has no 16-entry table lookup in one register (vpermps reads 3 bits), so the nibbles are widened to fp32 and
-// d q + m is one fused multiply-add: the same single rounding as the AVX-512 table, so the same fp32 weights.
-// A pair of blocks is two 16-byte halves (weights j = 8h..8h+7 of both blocks); V chains over the four weight groups
-// a row's G (d, m) pairs to fp32 into dm, 4 pairs per conversion; the blocks then broadcast them from memory
-static inline void q4_scales_avx2(const uint8_t* wr, int64_t G, float* dm) {
-  int64_t i = 0;
-  for (; i + 8 <= 2 * G; i += 8) _mm256_storeu_ps(dm + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wr + 2 * i))));
-  for (; i < 2 * G; ++i) dm[i] = half_bits(wr + 2 * i);
-}
-
-template <int R>
-static void row_q4_avx2(const float* x, int64_t K, const uint8_t* wr, float* y, int64_t N, float* dm) {
-  constexpr int V = R <= 2 ? 4 : 2;
-  const int64_t G = K / Q4_GROUP;
-  q4_scales_avx2(wr, G, dm);
-  const uint8_t* qs = wr + 4 * G;
-  const __m256i low4 = _mm256_set1_epi32(15);
-  __m256 acc[V][R];
-  for (int u = 0; u < V; ++u) for (int r = 0; r < R; ++r) acc[u][r] = _mm256_setzero_ps();
-  for (int64_t p = 0; p < G / 2; ++p) {
-    _mm_prefetch((const char*)(qs + 32 * p + WEIGHT_PREFETCH), _MM_HINT_T0);
-    const __m256 dA = _mm256_set1_ps(dm[4 * p]), mA = _mm256_set1_ps(dm[4 * p + 1]);
-    const __m256 dB = _mm256_set1_ps(dm[4 * p + 2]), mB = _mm256_set1_ps(dm[4 * p + 3]);
-    for (int h = 0; h < 2; ++h) {
-      const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(qs + 32 * p + 16 * h)));
-      const __m256 w[4] = {_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low4)), dA, mA),
-                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4), low4)), dA, mA),
-                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8), low4)), dB, mB),
-                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 12)), dB, mB)};
-      for (int r = 0; r < R; ++r)
-        for (int u = 0; u < 4; ++u) {
-          __m256& a = acc[(u + 2 * h) % V][r];
-          a = _mm256_fmadd_ps(w[u], _mm256_loadu_ps(x + r * K + 64 * p + 16 * u + 8 * h), a);
-        }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    __m256 t = acc[0][r];
-    for (int u = 1; u < V; ++u) t = _mm256_add_ps(t, acc[u][r]);
-    y[r * N] = hsum8(t);
-  }
-}
-
-static void block_q4_avx2(const float* x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
-  static void (*const rows[RB + 1])(const float*, int64_t, const uint8_t*, float*, int64_t, float*) =
-      {nullptr, row_q4_avx2<1>, row_q4_avx2<2>, row_q4_avx2<3>, row_q4_avx2<4>};
-  q4_row_groups(M, K, n0, n1, [&](int64_t n, int64_t m, int64_t r, float* dm) {
-    rows[r](x + m * K, K, w + n * K / Q4_GROUP * Q4_BYTES, y + m * N + n, N, dm); });
-}
-#endif
-
-#if defined(LLM_AVX2)
-// That widening, three instructions per 8 weights before the multiply-add, bounds a one-row step (TinyLlama-1.1B's
-// 88 matmuls: 66 ms, 9 GB/s of Q4 bytes where the memory gives 25-30). For up to Q4_INT_ROWS rows the AVX2 build
-// multiplies in integers instead: each activation becomes 16 bits held as two int8 (x / d_x = hi + lo / 254, d_x =
-// max|x| / 127 per block of 32, the weights' blocks), and the nibbles meet both bytes in 8-bit multiply-adds
-// (vpmaddubsw: unsigned nibble times signed byte, pairs added in 16 bits, at most 2 x 15 x 127, so nothing
-// saturates; vpmaddwd then adds pairs into 32 bits, weighting hi's by 254). A block's sum is
-// d_w d_x / 254 sum(q_w (254 hi + lo)) + m_w sum(x): the minimum meets the block's exact fp32 sum, and the
-// activations are rounded by at most max|x| / 64,516 (a 1e-4 relative bound in the tests; one byte alone, as
-// llama.cpp's Q8_1, rounded SmolLM2's greedy choice off fp32's at 2.7% of positions against 1% with fp32). The same
-// 88 matmuls: 36.6 ms at one row, 60.2 at two, 62.1 at three, 81.1 at four (fp32: 66.0, 69.2, 77.8, 80.1).
-// The activations of each row, per pair of blocks (A = 2p, B = 2p + 1) in the order the weights' nibbles come out of
-// one vpshufb of the pair's 32 bytes: hi's 32 bytes against the low nibbles (A's weights 0-7, B's 0-7, A's 8-15, B's
-// 8-15), 32 against the high ones (16-23, ..., 24-31), then lo's 64 the same way; then 8 scales (d_x / 254) and 8
-// sums laid out as the 32-bit lanes of the product are (A, A, B, B, A, A, B, B), each sum a quarter of its block's
-// (4 lanes add it up again, exactly)
-constexpr int64_t Q4_INT_ROWS = 3;
-struct Q16Acts { std::vector<int8_t> q; std::vector<float> d, s; };
-
-static void quantize_q16_pairs(const float* x, int64_t M, int64_t K, Q16Acts& a) {
-  const int64_t P = K / (2 * Q4_GROUP);
-  a.q.resize(2 * M * K); a.d.resize(M * P * 8); a.s.resize(M * P * 8);
+static void quantize_q4_acts(const float* x, int64_t M, int64_t K, Q4Acts& a) {
+  const int64_t G = K / Q4_GROUP, S = (G + Q4_SPAN - 1) / Q4_SPAN;
+  a.S = S; a.q.assign(M * S * 512, 0); a.d.assign(M * S * Q4_SPAN, 0.f); a.s.assign(M * S * Q4_SPAN, 0.f);
   at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
   for (int64_t m = m0; m < m1; ++m)
-    for (int64_t p = 0; p < P; ++p) {
-      float d[2], sum[2];
-      int8_t* q = a.q.data() + 2 * m * K + 128 * p;
-      for (int b = 0; b < 2; ++b) {
-        const float* xb = x + m * K + 64 * p + 32 * b;
-        float amax = 0.f, s = 0.f, sa = 0.f;
-        for (int j = 0; j < 32; ++j) { amax = std::max(amax, std::fabs(xb[j])); s += xb[j]; sa += std::fabs(xb[j]); }
-        if (nonfinite(sa)) d[b] = sum[b] = quiet_nan();
-        else { d[b] = amax / 127.f; sum[b] = s; }
-        const float inv = d[b] > 0.f ? 1.f / d[b] : 0.f;     // a NaN scale quantizes to zeros and multiplies in the NaN
-        for (int j = 0; j < 32; ++j) {
-          const int at = (j >= 16 ? 32 : 0) + (j % 16) / 8 * 16 + 8 * b + j % 8;
-          const float v = std::min(127.f, std::max(-127.f, xb[j] * inv)), hi = std::nearbyint(v);
-          q[at] = static_cast<int8_t>(hi);
-          q[64 + at] = static_cast<int8_t>(std::nearbyint((v - hi) * 254.f));
-        }
-      }
-      float* dp = a.d.data() + (m * P + p) * 8; float* sp = a.s.data() + (m * P + p) * 8;
-      for (int l = 0; l < 8; ++l) { dp[l] = d[l % 4 / 2] / 254.f; sp[l] = sum[l % 4 / 2] * 0.25f; }
+    for (int64_t b = 0; b < G; ++b) {
+      const int64_t g = b / Q4_SPAN; const int i = (int)(b % Q4_SPAN);
+      const float* xb = x + m * K + b * Q4_GROUP;
+      float amax = 0.f, s = 0.f, sa = 0.f;
+      for (int j = 0; j < Q4_GROUP; ++j) { amax = std::max(amax, std::fabs(xb[j])); s += xb[j]; sa += std::fabs(xb[j]); }
+      float d = amax / 32767.f;
+      if (nonfinite(sa)) d = s = quiet_nan();                 // a NaN scale: zeros here, and the NaN multiplied in
+      const float inv = d > 0.f ? 1.f / d : 0.f;
+      int16_t* q = a.q.data() + (m * S + g) * 512;
+      for (int j = 0; j < Q4_GROUP; ++j)
+        q[(j / 2 % 4 * 4 + j / 8) * 32 + 2 * i + j % 2] = (int16_t)std::nearbyint(std::min(32767.f, std::max(-32767.f, xb[j] * inv)));
+      a.d[(m * S + g) * Q4_SPAN + i] = d; a.s[(m * S + g) * Q4_SPAN + i] = s;
     }
   });
 }
+#endif
 
+#if defined(__AVX512F__)
+// one weight row against R rows' activations: a group's 4 chunks are 4 loads (masked: a short last group reads only
+// its own bytes), each split into 4 nibble planes that every row reuses
 template <int R>
-static void row_q4q16_avx2(const Q16Acts& a, int64_t m0, int64_t K, const uint8_t* wr, float* y, int64_t N, float* dm) {
-  constexpr int V = R <= 2 ? 2 : 1;
-  const int64_t G = K / Q4_GROUP, P = G / 2;
-  q4_scales_avx2(wr, G, dm);
-  const uint8_t* qs = wr + 4 * G;
-  const int8_t* xq = a.q.data() + 2 * m0 * K; const float *xd = a.d.data() + m0 * P * 8, *xs = a.s.data() + m0 * P * 8;
-  const __m256i shuf = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), hi_weight = _mm256_set1_epi16(254);
-  __m256 acc[V][R], accm[R];
-  for (int r = 0; r < R; ++r) { accm[r] = _mm256_setzero_ps(); for (int u = 0; u < V; ++u) acc[u][r] = _mm256_setzero_ps(); }
-  for (int64_t p = 0; p < P; ++p) {
-    _mm_prefetch((const char*)(qs + 32 * p + WEIGHT_PREFETCH), _MM_HINT_T0);
-    const __m256i v = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i*)(qs + 32 * p)), shuf);
-    const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    const __m256 dmv = _mm256_broadcast_ps((const __m128*)(dm + 4 * p));        // dA mA dB mB, in both halves
-    const __m256 dw = _mm256_permute_ps(dmv, 0xA0), mw = _mm256_permute_ps(dmv, 0xF5);   // (dA dA dB dB), (mA mA mB mB)
+static void row_q4_avx512(const Q4Acts& a, int64_t m0, int64_t K, const uint8_t* wr, float* y, int64_t N) {
+  const int64_t G = K / Q4_GROUP, S = a.S;
+  const __m512i low4 = _mm512_set1_epi16(15);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < S; ++g) {
+    const uint8_t* grp = q4_group(wr, g); const int nb = q4_blocks(G, g);
+    for (int l = 0; l < 5; ++l) _mm_prefetch((const char*)grp + 64 * l + WEIGHT_PREFETCH, _MM_HINT_T0);
+    const __mmask16 lanes = (__mmask16)((1u << nb) - 1);
+    __m512i sum[R];
+    for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_maskz_loadu_epi32(lanes, grp + 4 * nb + 4 * nb * c);
+      const __m512i p[4] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
+                            _mm512_and_si512(_mm512_srli_epi16(v, 8), low4), _mm512_srli_epi16(v, 12)};
+      for (int r = 0; r < R; ++r) {
+        const int16_t* xq = a.q.data() + ((m0 + r) * S + g) * 512 + 128 * c;
+        const __m512i s01 = _mm512_add_epi32(_mm512_madd_epi16(p[0], _mm512_loadu_si512(xq)), _mm512_madd_epi16(p[1], _mm512_loadu_si512(xq + 32)));
+        const __m512i s23 = _mm512_add_epi32(_mm512_madd_epi16(p[2], _mm512_loadu_si512(xq + 64)), _mm512_madd_epi16(p[3], _mm512_loadu_si512(xq + 96)));
+        sum[r] = _mm512_add_epi32(sum[r], _mm512_add_epi32(s01, s23));
+      }
+    }
+    const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, grp)), mw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, grp + 2 * nb));
     for (int r = 0; r < R; ++r) {
-      const int8_t* xr = xq + 2 * r * K + 128 * p;
-      const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)xr)),
-                                          _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xr + 32))));
-      const __m256i s2 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)(xr + 64))),
-                                          _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xr + 96))));
-      const __m256i s32 = _mm256_add_epi32(_mm256_madd_epi16(s1, hi_weight), _mm256_madd_epi16(s2, ones));
-      const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(s32), _mm256_loadu_ps(xd + (r * P + p) * 8));
-      acc[p % V][r] = _mm256_fmadd_ps(t, dw, acc[p % V][r]);
-      accm[r] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(xs + (r * P + p) * 8), accm[r]);
+      const int64_t at = ((m0 + r) * S + g) * Q4_SPAN;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(dw, _mm512_loadu_ps(a.d.data() + at)), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(a.s.data() + at), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    __m256 t = accm[r];
-    for (int u = 0; u < V; ++u) t = _mm256_add_ps(t, acc[u][r]);
-    y[r * N] = hsum8(t);
-  }
+  for (int r = 0; r < R; ++r) y[r * N] = _mm512_reduce_add_ps(acc[r]);
 }
+#endif
 
-static void block_q4q16_avx2(const Q16Acts& a, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
-  static void (*const rows[RB + 1])(const Q16Acts&, int64_t, int64_t, const uint8_t*, float*, int64_t, float*) =
-      {nullptr, row_q4q16_avx2<1>, row_q4q16_avx2<2>, row_q4q16_avx2<3>, row_q4q16_avx2<4>};
-  q4_row_groups(M, K, n0, n1, [&](int64_t n, int64_t m, int64_t r, float* dm) {
-    rows[r](a, m, K, w + n * K / Q4_GROUP * Q4_BYTES, y + m * N + n, N, dm); });
+#if defined(LLM_AVX2)
+// the same with 8 lanes: a group's blocks 0-7, then 8-15, each half its own pass over the 4 chunks
+template <int R>
+static void row_q4_avx2(const Q4Acts& a, int64_t m0, int64_t K, const uint8_t* wr, float* y, int64_t N) {
+  const int64_t G = K / Q4_GROUP, S = a.S;
+  const __m256i low4 = _mm256_set1_epi16(15);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < S; ++g) {
+    const uint8_t* grp = q4_group(wr, g); const int nb = q4_blocks(G, g);
+    for (int l = 0; l < 5; ++l) _mm_prefetch((const char*)grp + 64 * l + WEIGHT_PREFETCH, _MM_HINT_T0);
+    for (int h = 0; 8 * h < nb; ++h) {
+      const int nh = std::min(8, nb - 8 * h);
+      const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(nh), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      __m256i sum[R];
+      for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const int* src = (const int*)(grp + 4 * nb + 4 * nb * c + 32 * h);
+        const __m256i v = nh == 8 ? _mm256_loadu_si256((const __m256i*)src) : _mm256_maskload_epi32(src, lanes);
+        const __m256i p[4] = {_mm256_and_si256(v, low4), _mm256_and_si256(_mm256_srli_epi16(v, 4), low4),
+                              _mm256_and_si256(_mm256_srli_epi16(v, 8), low4), _mm256_srli_epi16(v, 12)};
+        for (int r = 0; r < R; ++r) {
+          const int16_t* xq = a.q.data() + ((m0 + r) * S + g) * 512 + 128 * c + 16 * h;
+          const __m256i s01 = _mm256_add_epi32(_mm256_madd_epi16(p[0], _mm256_loadu_si256((const __m256i*)xq)),
+                                               _mm256_madd_epi16(p[1], _mm256_loadu_si256((const __m256i*)(xq + 32))));
+          const __m256i s23 = _mm256_add_epi32(_mm256_madd_epi16(p[2], _mm256_loadu_si256((const __m256i*)(xq + 64))),
+                                               _mm256_madd_epi16(p[3], _mm256_loadu_si256((const __m256i*)(xq + 96))));
+          sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(s01, s23));
+        }
+      }
+      // a short half's d and m: 8 halves read, those past the group's blocks (its m's, its nibbles) zeroed
+      const __m256 keep = _mm256_castsi256_ps(lanes);
+      const __m256 dw = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(grp + 16 * h))), keep);
+      const __m256 mw = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(grp + 2 * nb + 16 * h))), keep);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = ((m0 + r) * S + g) * Q4_SPAN + 8 * h;
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(dw, _mm256_loadu_ps(a.d.data() + at)), acc[r]);
+        acc[r] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(a.s.data() + at), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * N] = hsum8(acc[r]);
 }
 #endif
 
 static void matmul_q4_into(const float* xp, int64_t M, int64_t K, const uint8_t* wp, float* yp, int64_t N, bool generic) {
-#if defined(LLM_AVX2)
-  thread_local Q16Acts acts_;       // the calling thread's; the workers below read it through `acts`
-  Q16Acts& acts = acts_;
-  const bool int_path = M <= Q4_INT_ROWS;
-  if (!generic && int_path) quantize_q16_pairs(xp, M, K, acts);
+#if defined(__AVX512F__) || defined(LLM_AVX2)
+  thread_local Q4Acts acts_;       // the calling thread's; the workers below read it through `acts`
+  Q4Acts& acts = acts_;
+  if (!generic) quantize_q4_acts(xp, M, K, acts);
+#if defined(__AVX512F__)
+  static void (*const rows[RB + 1])(const Q4Acts&, int64_t, int64_t, const uint8_t*, float*, int64_t) =
+      {nullptr, row_q4_avx512<1>, row_q4_avx512<2>, row_q4_avx512<3>, row_q4_avx512<4>};
+#else
+  static void (*const rows[RB + 1])(const Q4Acts&, int64_t, int64_t, const uint8_t*, float*, int64_t) =
+      {nullptr, row_q4_avx2<1>, row_q4_avx2<2>, row_q4_avx2<3>, row_q4_avx2<4>};
+#endif
 #endif
   at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
-#if defined(__AVX512F__)
-    if (!generic) { block_q4_avx512(xp, M, K, wp, yp, N, n0, n1); return; }
-#elif defined(LLM_AVX2)
-    if (!generic && int_path) { block_q4q16_avx2(acts, M, K, wp, yp, N, n0, n1); return; }
-    if (!generic) { block_q4_avx2(xp, M, K, wp, yp, N, n0, n1); return; }
+#if defined(__AVX512F__) || defined(LLM_AVX2)
+    if (!generic) {     // each weight row against the rows of x RB at a time, while the weight row stays in L1
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t m = 0; m < M; m += RB)
+          rows[std::min<int64_t>(RB, M - m)](acts, m, K, wp + n * K / Q4_GROUP * Q4_BYTES, yp + m * N + n, N);
+      return;
+    }
 #endif
     block_q4_generic(xp, M, K, wp, yp, N, n0, n1);
   });
@@ -542,18 +491,22 @@ static void matmul_q4_into(const float* xp, int64_t M, int64_t K, const uint8_t*
 // computed in fp32 and rounded once, as the packed copy's `.to(bfloat16)` rounds it)
 template <typename T>
 static void q4_dequantize_rows(const uint8_t* wp, int64_t N, int64_t G, T* op) {
-  const int64_t K = G * Q4_GROUP;
+  const int64_t K = G * Q4_GROUP, S = (G + Q4_SPAN - 1) / Q4_SPAN;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t *row = wp + n * G * Q4_BYTES, *qs = row + 4 * G;
-      for (int64_t g = 0; g < G; ++g) {
-        const float d = half_bits(row + 4 * g), mn = half_bits(row + 4 * g + 2);
-        const uint8_t* b = qs + 32 * (g / 2) + g % 2; T* o = op + n * K + g * Q4_GROUP;
-        for (int j = 0; j < 16; ++j) {
-          o[j] = static_cast<T>(std::fma(d, (float)(b[2 * j] & 15), mn)); o[j + 16] = static_cast<T>(std::fma(d, (float)(b[2 * j] >> 4), mn));
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t g = 0; g < S; ++g) {
+        const uint8_t* grp = q4_group(wp + n * G * Q4_BYTES, g); const int nb = q4_blocks(G, g);
+        for (int i = 0; i < nb; ++i) {
+          const float d = half_bits(grp + 2 * i), mn = half_bits(grp + 2 * nb + 2 * i);
+          T* o = op + n * K + (g * Q4_SPAN + i) * Q4_GROUP;
+          for (int c = 0; c < 4; ++c)
+            for (int e = 0; e < 2; ++e) {
+              const uint8_t* b = grp + 4 * nb + 4 * nb * c + 4 * i + 2 * e;
+              const unsigned word = b[0] | b[1] << 8;
+              for (int k = 0; k < 4; ++k) o[8 * k + 2 * c + e] = static_cast<T>(std::fma(d, (float)(word >> 4 * k & 15), mn));
+            }
         }
       }
-    }
   });
 }
 
