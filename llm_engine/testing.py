@@ -4,13 +4,15 @@
 
 # %% ../nbs/05a_testing.ipynb 3
 from __future__ import annotations
-import json, socket, subprocess, time
+import json, os, shutil, socket, subprocess, tempfile, time
+from contextlib import contextmanager
 from pathlib import Path
 import torch
 from .model import resolve_model, load_tokenizer
 
 # %% auto 0
-__all__ = ['TINY_FAMILIES', 'GGUF_ARCHS', 'make_tiny_model', 'make_tiny_family', 'write_tiny_gguf', 'ServerProcess']
+__all__ = ['TINY_FAMILIES', 'GGUF_ARCHS', 'make_tiny_model', 'make_tiny_family', 'write_tiny_gguf', 'ServerProcess',
+           'private_tmpdir']
 
 # %% ../nbs/05a_testing.ipynb
 def make_tiny_model(out_dir, seed=0, layers=2, hidden=64, heads=4, kv_heads=2, max_pos=2048) -> Path:
@@ -140,3 +142,16 @@ class ServerProcess:
         return self.proc.returncode
     def __enter__(self): return self
     def __exit__(self, *a): self.close()
+
+# %% ../nbs/05a_testing.ipynb
+@contextmanager
+def private_tmpdir(prefix: str = "llm_engine_"):
+    "`tempfile` and `$TMPDIR` (which subprocesses inherit) point at a new folder until exit; then it is removed and both restored."
+    tmp, env_tmp = tempfile.mkdtemp(prefix=prefix), os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = tempfile.tempdir = tmp
+    try: yield Path(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True); tempfile.tempdir = None
+        if env_tmp is None: os.environ.pop("TMPDIR", None)
+        else: os.environ["TMPDIR"] = env_tmp
+

@@ -1,17 +1,17 @@
 "End-to-end fixtures: a real `llm-engine serve` process on a free loopback port."
-import os, shutil, sys, tempfile
+import sys
+from contextlib import ExitStack
 import pytest
-from llm_engine.testing import ServerProcess
+from llm_engine.testing import ServerProcess, private_tmpdir
 
 def pytest_configure(config):
-    # Everything the tests write to temporary files (tiny models, converted GGUFs, servers' logs, pytest's own
-    # tmp_path) goes in one folder, removed when the run ends: helpers that mkdtemp and never clean up had left
-    # 60 GB in /tmp, and CI's disk filled (ENOSPC). Subprocesses inherit TMPDIR.
-    config._llm_engine_tmp = tempfile.mkdtemp(prefix="llm_engine_pytest_")
-    os.environ["TMPDIR"] = tempfile.tempdir = config._llm_engine_tmp
+    # everything the session writes to temporary files, pytest's own tmp_path included, goes in one folder that is
+    # removed when the run ends (05a's private_tmpdir)
+    config._llm_engine_tmp = ExitStack()
+    config._llm_engine_tmp.enter_context(private_tmpdir("llm_engine_pytest_"))
 
 def pytest_unconfigure(config):
-    shutil.rmtree(getattr(config, "_llm_engine_tmp", ""), ignore_errors=True)
+    if hasattr(config, "_llm_engine_tmp"): config._llm_engine_tmp.close()
 
 class Server(ServerProcess):
     "`llm-engine serve ARGS`, its output kept for the tests to read; `stop()` sends SIGTERM and returns the exit code."

@@ -7,7 +7,7 @@ own random state, so re-running changes only timings.
     python tools/execute_nbs.py 03 07a          # those whose names start with these prefixes
     python tools/execute_nbs.py --flags slow    # also run cells flagged `slow` (the default skips none of them)
 """
-import argparse, os, re, shutil, subprocess, sys, tempfile, time
+import argparse, os, re, subprocess, sys, time
 from pathlib import Path
 from execnb.nbio import read_nb, write_nb
 from execnb.shell import CaptureShell
@@ -41,15 +41,12 @@ def execute(path: Path, skip: set) -> float:
     shell, start = CaptureShell(path, mpl_format="png"), time.time()
     shell._fname = path     # prettytb names the notebook in a failure
     cwd = os.getcwd(); os.chdir(path.parent)
-    # each notebook's temporary files go in a folder removed after it (as in tools/test_nbs.py)
-    tmp, env_tmp = tempfile.mkdtemp(prefix=f"llm_engine_{path.stem}_"), os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = tempfile.tempdir = tmp
-    try: shell.run_all(nb, exc_stop=True, preproc=no_eval)
+    from llm_engine.testing import private_tmpdir
+    try:
+        with private_tmpdir(f"llm_engine_{path.stem}_"):      # the notebook's temporary files, removed after it (05a)
+            shell.run_all(nb, exc_stop=True, preproc=no_eval)
     except Exception as e: raise RuntimeError(f"{path.name} failed:\n{shell.prettytb(fname=path)}") from e
-    finally:
-        os.chdir(cwd); shutil.rmtree(tmp, ignore_errors=True); tempfile.tempdir = None
-        if env_tmp is None: os.environ.pop("TMPDIR", None)
-        else: os.environ["TMPDIR"] = env_tmp
+    finally: os.chdir(cwd)
     write_nb(nb, path)
     subprocess.run(["nbdev_clean", "--fname", str(path)], check=True, cwd=ROOT)
     return time.time() - start

@@ -10,7 +10,7 @@ cores (`OMP_NUM_THREADS`), never oversubscribe them.
     python tools/test_nbs.py --flags slow            # all of nbs/, two at a time
     python tools/test_nbs.py --path nbs/05b_precision.ipynb
 """
-import argparse, os, resource, shutil, sys, tempfile, time
+import argparse, os, resource, sys, time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
@@ -24,12 +24,9 @@ def _one(fn: str, flags: str) -> tuple:
     skip, force = cfg.tst_flags.split(), flags.split()
     t = time.time()
     os.chdir(cfg.nbs_path)
-    # the notebook's temporary files (tiny models, converted GGUFs, servers' logs) go in a folder removed after it:
-    # notebooks that mkdtemp and never clean up had left 60 GB in /tmp, and CI's disk filled (ENOSPC)
-    tmp = tempfile.mkdtemp(prefix=f"llm_engine_{Path(fn).stem}_")
-    os.environ["TMPDIR"] = tempfile.tempdir = tmp     # servers it starts inherit TMPDIR
-    try: ok, _ = test_nb(Path(fn), skip_flags=skip, force_flags=force, basepath=cfg.config_path)
-    finally: shutil.rmtree(tmp, ignore_errors=True)
+    from llm_engine.testing import private_tmpdir
+    with private_tmpdir(f"llm_engine_{Path(fn).stem}_"):      # the notebook's temporary files, removed after it (05a)
+        ok, _ = test_nb(Path(fn), skip_flags=skip, force_flags=force, basepath=cfg.config_path)
     return ok, time.time() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
