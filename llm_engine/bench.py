@@ -465,7 +465,7 @@ def _machine() -> str:
 OURS = (("llm_engine", dict(dtype="float32", scheduling_policy="sjf"), "fp32, shortest prompt first"),
         ("llm_engine bf16", dict(dtype="bfloat16", scheduling_policy="sjf"), "bf16 weights, activations and KV cache; one C++ call per layer at 1-3 rows, oneDNN beyond; sjf"),
         ("llm_engine int8", dict(quantization="int8", scheduling_policy="sjf"), "int8 weight-only, fp32 activations; one C++ call per layer at 1-4 rows, dequantized bf16 beyond; sjf"),
-        ("llm_engine q4", dict(quantization="q4", scheduling_policy="sjf"), "the GGUF's own Q4_1 layer weights (lm_head int8), fp32 activations; one C++ call per layer at 1-4 rows, dequantized bf16 beyond; sjf"),
+        ("llm_engine q4", dict(quantization="q4", scheduling_policy="sjf"), "the GGUF's own Q4_1 layer weights (lm_head int8), activations rounded to 16 bits per block in our kernel; one C++ call per layer at 1-4 rows, dequantized bf16 beyond (AVX2: our kernel to 24-32 rows, then widened to fp32 per call); sjf"),
         ("llm_engine w8a8", dict(quantization="w8a8", scheduling_policy="sjf"), "int8 weights; from 5 rows int8 activations too (SmoothQuant, a scale per token, VNNI int8 matmul); bf16 activations and KV cache (auto here); one C++ call per layer at 1-4 rows; sjf"))
 # rows run only when `--ours` names them
 MORE_OURS = (("llm_engine kv8", dict(dtype="bfloat16", kv_cache_dtype="int8", scheduling_policy="sjf"),
