@@ -352,8 +352,23 @@ static void block_q4_generic(const float* x, int64_t M, int64_t K, const uint8_t
 // block's exact fp32 sum, and the activations are off by at most max|x| / 65,534 (a few parts in 1e5 of a result;
 // one byte alone, as llama.cpp's Q8_1 rounds, moved SmolLM2's greedy choice off fp32's at 2.7% of positions, against
 // 1%). Activations are laid out as the weights' nibble planes come out: per row and group 512 q_x (chunk c, plane k:
-// 32 words, word 2i + e of block i's weight 8k + 2c + e; blocks past the row's end zero), then 16 d_x, 16 sums.
+// 32 words, word 2i + e of block i's weight 8k + 2c + e; blocks past the row's end zero), then 16 d_x, 16 sums. A
+// last group of 8 blocks or fewer is read two chunks to a 16-lane vector (blocks 0-7 of chunk c, then of chunk c + 1),
+// so its activations are laid out in that order (pair u = c / 2, plane k: chunk 2u's 16 words, then chunk 2u + 1's),
+// and its d_x are repeated in the upper 8 lanes (its sums are not: each block's minimum term counts once).
 struct Q4Acts { std::vector<int16_t> q; std::vector<float> d, s; int64_t S = 0; };
+
+// where weight j of block 0 goes in a group's activations (block i: 2i further), for a full group and a short one
+static const struct Q4ActAt {
+  int at[2][Q4_GROUP];
+  Q4ActAt() {
+    for (int j = 0; j < Q4_GROUP; ++j) {
+      const int c = j / 2 % 4, k = j / 8, e = j % 2;
+      at[0][j] = (c * 4 + k) * 32 + e; at[1][j] = c / 2 * 128 + k * 32 + c % 2 * 16 + e;
+    }
+  }
+  const int* operator[](bool short_group) const { return at[short_group]; }
+} Q4_ACT_AT;
 
 static void quantize_q4_acts(const float* x, int64_t M, int64_t K, Q4Acts& a) {
   const int64_t G = K / Q4_GROUP, S = (G + Q4_SPAN - 1) / Q4_SPAN;
@@ -368,47 +383,62 @@ static void quantize_q4_acts(const float* x, int64_t M, int64_t K, Q4Acts& a) {
       float d = amax / 32767.f;
       if (nonfinite(sa)) d = s = quiet_nan();                 // a NaN scale: zeros here, and the NaN multiplied in
       const float inv = d > 0.f ? 1.f / d : 0.f;
-      int16_t* q = a.q.data() + (m * S + g) * 512;
-      for (int j = 0; j < Q4_GROUP; ++j)
-        q[(j / 2 % 4 * 4 + j / 8) * 32 + 2 * i + j % 2] = (int16_t)std::nearbyint(std::min(32767.f, std::max(-32767.f, xb[j] * inv)));
+      int16_t* q = a.q.data() + (m * S + g) * 512 + 2 * i;
+      const bool short_group = q4_blocks(G, g) <= 8;
+      const int* at = Q4_ACT_AT[short_group];
+      for (int j = 0; j < Q4_GROUP; ++j) q[at[j]] = (int16_t)std::nearbyint(std::min(32767.f, std::max(-32767.f, xb[j] * inv)));
       a.d[(m * S + g) * Q4_SPAN + i] = d; a.s[(m * S + g) * Q4_SPAN + i] = s;
+      if (short_group) a.d[(m * S + g) * Q4_SPAN + 8 + i] = d;     // its upper 8 lanes hold the same blocks (below)
     }
   });
 }
 #endif
 
 #if defined(__AVX512F__)
-// one weight row against R rows' activations: a group's 4 chunks are 4 loads (masked: a short last group reads only
-// its own bytes), each split into 4 nibble planes that every row reuses
+// group g of a weight row against R rows' activations, into acc: its 4 chunks are 4 loads (masked: a short last group
+// reads only its own bytes), each split into 4 nibble planes that every row reuses. SHORT: a last group of 8 blocks or
+// fewer, two chunks a load, spread to lanes 0-7 and 8-15 (half the passes over 16 mostly empty lanes)
+template <int R, bool SHORT>
+static inline void q4_group_avx512(const Q4Acts& a, int64_t m0, const uint8_t* grp, int nb, int64_t g, __m512* acc) {
+  const int64_t S = a.S;
+  const __m512i low4 = _mm512_set1_epi16(15);
+  const __mmask16 lanes = (__mmask16)(SHORT ? ((1u << nb) - 1) * 0x101u : (1u << nb) - 1);
+  __m512i sum[R];
+  for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
+  for (int c = 0; c < (SHORT ? 2 : 4); ++c) {
+    const __m512i v = SHORT ? _mm512_maskz_expandloadu_epi32(lanes, grp + 4 * nb + 8 * nb * c)
+                            : _mm512_maskz_loadu_epi32(lanes, grp + 4 * nb + 4 * nb * c);
+    const __m512i p[4] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
+                          _mm512_and_si512(_mm512_srli_epi16(v, 8), low4), _mm512_srli_epi16(v, 12)};
+    for (int r = 0; r < R; ++r) {
+      const int16_t* xq = a.q.data() + ((m0 + r) * S + g) * 512 + 128 * c;
+      const __m512i s01 = _mm512_add_epi32(_mm512_madd_epi16(p[0], _mm512_loadu_si512(xq)), _mm512_madd_epi16(p[1], _mm512_loadu_si512(xq + 32)));
+      const __m512i s23 = _mm512_add_epi32(_mm512_madd_epi16(p[2], _mm512_loadu_si512(xq + 64)), _mm512_madd_epi16(p[3], _mm512_loadu_si512(xq + 96)));
+      sum[r] = _mm512_add_epi32(sum[r], _mm512_add_epi32(s01, s23));
+    }
+  }
+  const __m512 dw = _mm512_cvtph_ps(SHORT ? _mm256_broadcastsi128_si256(_mm_maskz_loadu_epi16((__mmask8)lanes, grp))
+                                          : _mm256_maskz_loadu_epi16(lanes, grp));
+  const __m512 mw = _mm512_cvtph_ps(SHORT ? _mm256_broadcastsi128_si256(_mm_maskz_loadu_epi16((__mmask8)lanes, grp + 2 * nb))
+                                          : _mm256_maskz_loadu_epi16(lanes, grp + 2 * nb));
+  for (int r = 0; r < R; ++r) {
+    const int64_t at = ((m0 + r) * S + g) * Q4_SPAN;
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(dw, _mm512_loadu_ps(a.d.data() + at)), acc[r]);
+    acc[r] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(a.s.data() + at), acc[r]);
+  }
+}
+
+// one weight row against R rows' activations
 template <int R>
 static void row_q4_avx512(const Q4Acts& a, int64_t m0, int64_t K, const uint8_t* wr, float* y, int64_t N) {
   const int64_t G = K / Q4_GROUP, S = a.S;
-  const __m512i low4 = _mm512_set1_epi16(15);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < S; ++g) {
     const uint8_t* grp = q4_group(wr, g); const int nb = q4_blocks(G, g);
     for (int l = 0; l < 5; ++l) _mm_prefetch((const char*)grp + 64 * l + WEIGHT_PREFETCH, _MM_HINT_T0);
-    const __mmask16 lanes = (__mmask16)((1u << nb) - 1);
-    __m512i sum[R];
-    for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
-    for (int c = 0; c < 4; ++c) {
-      const __m512i v = _mm512_maskz_loadu_epi32(lanes, grp + 4 * nb + 4 * nb * c);
-      const __m512i p[4] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
-                            _mm512_and_si512(_mm512_srli_epi16(v, 8), low4), _mm512_srli_epi16(v, 12)};
-      for (int r = 0; r < R; ++r) {
-        const int16_t* xq = a.q.data() + ((m0 + r) * S + g) * 512 + 128 * c;
-        const __m512i s01 = _mm512_add_epi32(_mm512_madd_epi16(p[0], _mm512_loadu_si512(xq)), _mm512_madd_epi16(p[1], _mm512_loadu_si512(xq + 32)));
-        const __m512i s23 = _mm512_add_epi32(_mm512_madd_epi16(p[2], _mm512_loadu_si512(xq + 64)), _mm512_madd_epi16(p[3], _mm512_loadu_si512(xq + 96)));
-        sum[r] = _mm512_add_epi32(sum[r], _mm512_add_epi32(s01, s23));
-      }
-    }
-    const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, grp)), mw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, grp + 2 * nb));
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = ((m0 + r) * S + g) * Q4_SPAN;
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(dw, _mm512_loadu_ps(a.d.data() + at)), acc[r]);
-      acc[r] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(a.s.data() + at), acc[r]);
-    }
+    if (nb > 8) q4_group_avx512<R, false>(a, m0, grp, nb, g, acc);
+    else q4_group_avx512<R, true>(a, m0, grp, nb, g, acc);
   }
   for (int r = 0; r < R; ++r) y[r * N] = _mm512_reduce_add_ps(acc[r]);
 }
@@ -432,11 +462,12 @@ static void row_q4_avx2(const Q4Acts& a, int64_t m0, int64_t K, const uint8_t* w
       for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
       for (int c = 0; c < 4; ++c) {
         const int* src = (const int*)(grp + 4 * nb + 4 * nb * c + 32 * h);
+        const int64_t xo = nb <= 8 ? c / 2 * 128 + c % 2 * 16 : 128 * c + 16 * h;   // where chunk c's activations are
         const __m256i v = nh == 8 ? _mm256_loadu_si256((const __m256i*)src) : _mm256_maskload_epi32(src, lanes);
         const __m256i p[4] = {_mm256_and_si256(v, low4), _mm256_and_si256(_mm256_srli_epi16(v, 4), low4),
                               _mm256_and_si256(_mm256_srli_epi16(v, 8), low4), _mm256_srli_epi16(v, 12)};
         for (int r = 0; r < R; ++r) {
-          const int16_t* xq = a.q.data() + ((m0 + r) * S + g) * 512 + 128 * c + 16 * h;
+          const int16_t* xq = a.q.data() + ((m0 + r) * S + g) * 512 + xo;
           const __m256i s01 = _mm256_add_epi32(_mm256_madd_epi16(p[0], _mm256_loadu_si256((const __m256i*)xq)),
                                                _mm256_madd_epi16(p[1], _mm256_loadu_si256((const __m256i*)(xq + 32))));
           const __m256i s23 = _mm256_add_epi32(_mm256_madd_epi16(p[2], _mm256_loadu_si256((const __m256i*)(xq + 64))),
