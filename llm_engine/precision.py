@@ -174,10 +174,10 @@ def dequantize_q4(p: torch.Tensor) -> torch.Tensor:
 
 class Q4Linear(WeightOnlyLinear):
     "4-bit weights in GGUF's Q4_1 blocks: a scale and a minimum per 32 weights."
-    small_batch = 4 if CPU_ISA.bf16 else 24
     def __init__(self, lin: nn.Linear):
         super().__init__(lin)
-        # without bf16, a 1.1B model's layers (2,048 inputs and more) keep our kernel up to 32 rows (measured below)
+        # `small_batch` as int8's, except without bf16 a 1.1B model's layers (2,048 inputs and more) keep our kernel up
+        # to 32 rows (measured below)
         if not CPU_ISA.bf16 and lin.in_features >= 2048: self.small_batch = 32
         self.register_buffer("weight", quantize_q4(lin.weight))
     def few_rows(self, x2): return torch.ops.llm_engine.q4_linear(x2, self.weight) if self.kernel else None

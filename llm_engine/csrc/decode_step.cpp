@@ -319,27 +319,36 @@ static inline float half_bits(const uint8_t* p) {
 // where group g of a row starts, and how many blocks it has
 static inline const uint8_t* q4_group(const uint8_t* row, int64_t g) { return row + g * Q4_SPAN * Q4_BYTES; }
 static inline int q4_blocks(int64_t G, int64_t g) { return (int)std::min<int64_t>(Q4_SPAN, G - g * Q4_SPAN); }
-// weight j of block i of a group of n blocks at grp: its 4-bit q
-static inline int q4_nibble(const uint8_t* grp, int n, int i, int j) {
-  const int k = j / 8, c = j / 2 % 4, e = j % 2;
-  return grp[4 * n + 4 * n * c + 4 * i + 2 * e + k / 2] >> (4 * (k % 2)) & 15;
+// one Q4 row's K = 32 G weights, d q + m in fp32 (one rounding), each rounded once to T, into o
+template <typename T>
+static void q4_expand_row(const uint8_t* row, int64_t G, T* o) {
+  for (int64_t g = 0; g < (G + Q4_SPAN - 1) / Q4_SPAN; ++g) {
+    const uint8_t* grp = q4_group(row, g); const int nb = q4_blocks(G, g);
+    for (int i = 0; i < nb; ++i, o += Q4_GROUP) {
+      const float d = half_bits(grp + 2 * i), mn = half_bits(grp + 2 * nb + 2 * i);
+      for (int c = 0; c < 4; ++c)
+        for (int e = 0; e < 2; ++e) {      // word e of block i in chunk c: its nibble k is weight 8k + 2c + e
+          const uint8_t* b = grp + 4 * nb + 4 * nb * c + 4 * i + 2 * e;
+          const unsigned word = b[0] | b[1] << 8;
+          for (int k = 0; k < 4; ++k) o[8 * k + 2 * c + e] = static_cast<T>(std::fma(d, (float)(word >> 4 * k & 15), mn));
+        }
+    }
+  }
 }
 
 // the portable path, exact fp32 (the weights d q + m, one rounding): any CPU, and the vector path's reference
 static void block_q4_generic(const float* x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t G = K / Q4_GROUP, S = (G + Q4_SPAN - 1) / Q4_SPAN;
-  for (int64_t n = n0; n < n1; ++n)
+  const int64_t G = K / Q4_GROUP;
+  thread_local std::vector<float> wf;     // one weight row, expanded once for all the rows of x
+  wf.resize(K);
+  for (int64_t n = n0; n < n1; ++n) {
+    q4_expand_row(w + n * G * Q4_BYTES, G, wf.data());
     for (int64_t m = 0; m < M; ++m) {
       float acc = 0.f;
-      for (int64_t g = 0; g < S; ++g) {
-        const uint8_t* grp = q4_group(w + n * G * Q4_BYTES, g); const int nb = q4_blocks(G, g);
-        for (int i = 0; i < nb; ++i) {
-          const float d = half_bits(grp + 2 * i), mn = half_bits(grp + 2 * nb + 2 * i), *xr = x + m * K + (g * Q4_SPAN + i) * Q4_GROUP;
-          for (int j = 0; j < Q4_GROUP; ++j) acc += xr[j] * std::fma(d, (float)q4_nibble(grp, nb, i, j), mn);
-        }
-      }
+      for (int64_t k = 0; k < K; ++k) acc += x[m * K + k] * wf[k];
       y[m * N + n] = acc;
     }
+  }
 }
 
 #if defined(__AVX512F__) || defined(LLM_AVX2)
@@ -522,22 +531,8 @@ static void matmul_q4_into(const float* xp, int64_t M, int64_t K, const uint8_t*
 // computed in fp32 and rounded once, as the packed copy's `.to(bfloat16)` rounds it)
 template <typename T>
 static void q4_dequantize_rows(const uint8_t* wp, int64_t N, int64_t G, T* op) {
-  const int64_t K = G * Q4_GROUP, S = (G + Q4_SPAN - 1) / Q4_SPAN;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t g = 0; g < S; ++g) {
-        const uint8_t* grp = q4_group(wp + n * G * Q4_BYTES, g); const int nb = q4_blocks(G, g);
-        for (int i = 0; i < nb; ++i) {
-          const float d = half_bits(grp + 2 * i), mn = half_bits(grp + 2 * nb + 2 * i);
-          T* o = op + n * K + (g * Q4_SPAN + i) * Q4_GROUP;
-          for (int c = 0; c < 4; ++c)
-            for (int e = 0; e < 2; ++e) {
-              const uint8_t* b = grp + 4 * nb + 4 * nb * c + 4 * i + 2 * e;
-              const unsigned word = b[0] | b[1] << 8;
-              for (int k = 0; k < 4; ++k) o[8 * k + 2 * c + e] = static_cast<T>(std::fma(d, (float)(word >> 4 * k & 15), mn));
-            }
-        }
-      }
+    for (int64_t n = n0; n < n1; ++n) q4_expand_row(wp + n * G * Q4_BYTES, G, op + n * G * Q4_GROUP);
   });
 }
 
