@@ -508,13 +508,23 @@ def _matrices_to(m: nn.Module, dtype):
     for mod in m.modules():
         if isinstance(mod, (nn.Linear, nn.Embedding)): mod.to(dtype)
 
+def _empty_on(mod: nn.Module, device):
+    "`mod`'s own tensors on the meta device as empty ones on `device` (what `to_empty(recurse=False)` does)."
+    # to_empty goes through torch._refs.empty_like, whose import of torch.fx's symbolic shapes (and sympy) held 33 MB of
+    # a server's memory from then on
+    for store in (mod._parameters, mod._buffers):
+        for k, t in store.items():
+            if t is not None and t.is_meta:
+                e = torch.empty(t.shape, dtype=t.dtype, device=device)
+                store[k] = nn.Parameter(e, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else e
+
 def empty_model(mc: ModelConfig, dtype=None, device="cpu", lazy_linears=False, embed_dtype=None) -> Llama:
     "Our `Llama` with memory for its weights, not filled: the matrices in `dtype` (None: fp32); linears left on the meta device if `lazy_linears`."
     with torch.device("meta"): m = Llama(mc)
     if dtype is not None: _matrices_to(m, dtype)   # a 1B model's fp32 copy would be 4 GB held for nothing
     if embed_dtype is not None: m.embed_tokens.to(embed_dtype)
     for mod in m.modules():        # weights are copied straight from the file into device memory
-        if not (lazy_linears and type(mod) is nn.Linear): mod.to_empty(device=device, recurse=False)
+        if not (lazy_linears and type(mod) is nn.Linear): _empty_on(mod, device)
     m.build_rope(device)
     if mc.tie_word_embeddings: m.lm_head.weight = m.embed_tokens.weight
     return m
@@ -527,8 +537,17 @@ def load_model(model=None, dtype=torch.float32, device="cpu") -> tuple[Llama, Pa
     return m, path
 
 def load_tokenizer(path):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+    "The tokenizer of the model in folder `path`, the class `AutoTokenizer` picks."
+    from transformers import AutoTokenizer, PretrainedConfig
+    path, kw = Path(path), {}
+    tcfg = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").exists() else {}
+    # AutoTokenizer reads config.json through the family's config class to pick a tokenizer; Llama's imports transformers'
+    # model-loading machinery (torch.distributed.tensor, sympy): 37 MB of a server's memory and 0.6 s. Where
+    # tokenizer_config.json names a class and brings no code, only the config's fields count: a plain config carries them
+    if tcfg.get("tokenizer_class") and "auto_map" not in tcfg and (path / "config.json").exists():
+        kw["config"] = PretrainedConfig(**json.loads((path / "config.json").read_text()))
+        kw["config"]._name_or_path = str(path)      # as AutoConfig sets it
+    return AutoTokenizer.from_pretrained(path, **kw)
 
 # %% ../nbs/05_model.ipynb
 class PackedLinear(nn.Module):
