@@ -12,7 +12,7 @@ from .precision import load_step_kernels
 
 # %% auto 0
 __all__ = ['BadParam', 'SamplingParams', 'as_float32', 'in_float32', 'SampleOutput', 'apply_penalties', 'filter_logits',
-           'apply_processors', 'sample']
+           'apply_processors', 'draw_one', 'sample']
 
 # %% ../nbs/06_sampling.ipynb
 class BadParam(ValueError):
@@ -136,14 +136,33 @@ def apply_penalties(logits, rows):
 
 _BIG = torch.finfo(torch.float32).max / 4
 
+def _nucleus(probs, top_p):
+    "Per row, the tokens that the more likely tokens leave within `top_p` (top-p's nucleus), found without sorting the row."
+    # probabilities are non-negative floats, whose bits as integers sort like the values: bucket tokens by their top 16 bits
+    # (a width of 1/128 of the value), add up each bucket's probability, and only the bucket the cut falls in needs its
+    # tokens in order. Sorting all 49,152 tokens took 2.8 ms a row; SmolLM2's nucleus at top_p 0.95 held ~2,500 of them
+    bucket = (probs.view(torch.int32) >> 16).long()
+    mass = torch.zeros(len(probs), 1 << 15).scatter_add_(1, bucket, probs)
+    upto = mass.flip(-1).cumsum(-1).flip(-1)              # the probability in this bucket and those above it
+    above = upto - mass
+    keep = upto.gather(1, bucket) <= top_p[:, None]        # whole buckets inside the nucleus
+    edge = ((above <= top_p[:, None]) & (upto > top_p[:, None])).int().argmax(-1)
+    for r, e in enumerate(edge.tolist()):
+        idx = (bucket[r] == e).nonzero()[:, 0]
+        v, order = probs[r, idx].sort(descending=True)
+        keep[r, idx[order]] = above[r, e] + v.cumsum(0) - v <= top_p[r]
+    return keep
+
 def filter_logits(logits, top_k, top_p, min_p):
     "Mask (to -inf) what top-k, top-p and min-p exclude; `top_k`, `top_p`, `min_p` are per-row tensors."
-    sorted_l, idx = logits.sort(dim=-1, descending=True)
-    probs = sorted_l.softmax(-1)
-    ranks = torch.arange(logits.shape[-1])[None]
-    drop = (ranks >= top_k[:, None]) | (probs.cumsum(-1) - probs > top_p[:, None]) | (probs < min_p[:, None] * probs[:, :1])
-    drop[:, 0] = False   # the most likely token always survives
-    return logits.scatter(-1, idx, sorted_l.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    drop = probs < min_p[:, None] * probs.amax(-1, keepdim=True)
+    if len(k := (top_k < logits.shape[-1]).nonzero()[:, 0]):    # the k-th largest probability, from a partial sort
+        kth = probs[k].topk(int(top_k[k].max()), -1).values.gather(1, top_k[k, None] - 1)
+        drop[k] |= probs[k] < kth
+    if len(p := (top_p < 1).nonzero()[:, 0]): drop[p] |= ~_nucleus(probs[p], top_p[p])
+    drop.scatter_(1, probs.argmax(-1, keepdim=True), False)      # the most likely token always survives
+    return logits.masked_fill(drop, float("-inf"))
 
 # %% ../nbs/06_sampling.ipynb
 def _bans(p, out) -> list[int]:
@@ -165,6 +184,15 @@ def apply_processors(logits, rows, end_ids=()):
     return logits
 
 # %% ../nbs/06_sampling.ipynb
+def draw_one(p: torch.Tensor, generator=None) -> int:
+    "One token drawn from the weights `p` `[vocab]` (non-negative, summing to anything positive): where a uniform falls on their running sum."
+    # torch.multinomial draws an exponential per token: 0.9 ms a row over 49,152 tokens, 35 ms a step for 32 sampled
+    # rows. One uniform against the running sum (in fp64, so that tokens of 1e-9 keep their share) is the same distribution
+    c = p.cumsum(0, dtype=torch.float64)
+    u = torch.rand((), dtype=torch.float64, generator=generator) * c[-1]
+    i = int(torch.searchsorted(c, u[None], right=True))    # the first token whose sum passes u: never one of weight 0
+    return i if i < len(c) else int((p > 0).nonzero()[-1])  # u rounded up to the total: the last token that can be drawn
+
 def _draw(logits, rows, hot):
     "Temperature, top-k/top-p/min-p and one seeded draw for each non-greedy row in `hot`."
     ps = [rows[i].params for i in hot]
@@ -176,7 +204,7 @@ def _draw(logits, rows, hot):
         l = filter_logits(l, torch.tensor([p.top_k if 0 < p.top_k < l.shape[-1] else l.shape[-1] for p in ps]),
                           torch.tensor([p.top_p for p in ps]), torch.tensor([p.min_p for p in ps]))
     probs = l.softmax(-1)
-    return [torch.multinomial(probs[j], 1, generator=rows[i].generator)[0].item() for j, i in enumerate(hot)]
+    return [draw_one(probs[j], rows[i].generator) for j, i in enumerate(hot)]
 
 def _add_logprobs(outs, rows, lp):
     for i, (r, o) in enumerate(zip(rows, outs)):
