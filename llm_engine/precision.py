@@ -78,10 +78,15 @@ class WeightOnlyLinear(nn.Module):
             dt, N, K = torch.float32 if self.widen_large else torch.bfloat16, self.out_features, self.in_features
             x, step = x2.to(dt), max(1, min(N, WIDEN_CHUNK // K))
             buf = widen_buffer(step * K, dt)
-            y = torch.empty(x.shape[0], N, dtype=dt)
-            for r in range(0, N, step):     # the product lands in its columns of `y` in place (the BLAS's leading dimension)
+            # each product lands in its columns of `y` in place (the BLAS's leading dimension); bf16 activations under fp32
+            # arithmetic get each chunk rounded into them: a whole fp32 `y` beside its bf16 copy was a 1.1B model's
+            # largest prefill temporary (23 MB for 512 tokens' gate/up)
+            y = torch.empty(x.shape[0], N, dtype=x2.dtype if x2.dtype in (dt, torch.bfloat16) else dt)
+            for r in range(0, N, step):
                 n = min(step, N - r)
-                torch.mm(x, self.dequantize_into(buf[:n * K].view(n, K), r).t(), out=y[:, r:r + n])
+                w = self.dequantize_into(buf[:n * K].view(n, K), r).t()
+                if y.dtype == dt: torch.mm(x, w, out=y[:, r:r + n])
+                else: y[:, r:r + n] = torch.mm(x, w)
             return y
         onednn = x2.device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         if self.packed is None:     # packed for oneDNN where it has bf16, else kept plain for F.linear
@@ -117,9 +122,9 @@ class Int8Linear(WeightOnlyLinear):
     def dequantized(self): return self.weight.float() * self.scales.float()[:, None]
     def dequantize_into(self, out, row=0):
         w, s = self.weight[row:row + out.shape[0]], self.scales[row:row + out.shape[0]]
-        if out.dtype == torch.bfloat16:     # q·s is exact in fp32 and rounded to bf16 once either way; int8 times fp32 into a
-            return out.copy_(w).mul_(s.to(out.dtype)[:, None])    # bf16 tensor took 40x as long (one 23M-weight matrix: 674 ms vs 17)
-        return torch.mul(w, s.float()[:, None], out=out)
+        # q·s is exact in fp32 and rounded to bf16 once either way; int8 times fp32 into a bf16 tensor took 40x as long (one
+        # 23M-weight matrix: 674 ms vs 17), and into fp32 `torch.mul` widened the int8 rows into a temporary of out's size first
+        return out.copy_(w).mul_(s.to(out.dtype)[:, None])
 
 class Bf16Linear(WeightOnlyLinear):
     "bf16 weights on a CPU without bf16 arithmetic (AVX2): widened to fp32 in our kernel up to `small_batch` rows, per call for more."
