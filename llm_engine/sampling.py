@@ -155,7 +155,7 @@ def _nucleus(probs, top_p):
 
 def filter_logits(logits, top_k, top_p, min_p):
     "Mask (to -inf) what top-k, top-p and min-p exclude; `top_k`, `top_p`, `min_p` are per-row tensors."
-    probs = logits.softmax(-1)
+    probs = logits.float().softmax(-1)      # fp32: `_nucleus` reads the floats' bits
     drop = probs < min_p[:, None] * probs.amax(-1, keepdim=True)
     if len(k := (top_k < logits.shape[-1]).nonzero()[:, 0]):    # the k-th largest probability, from a partial sort
         kth = probs[k].topk(int(top_k[k].max()), -1).values.gather(1, top_k[k, None] - 1)
