@@ -22,10 +22,10 @@ from .tool_parsers import (render_tool_messages, tool_stream_parser, parse_tool_
 __all__ = ['log', 'PROTECTED', 'SERVER_TEMPLATE_VARS', 'LOGPROB_FLOOR', 'router', 'TOOL_CALL_PARSERS', 'ACCEPT_RETRY_S',
            'SEND_BUFFER', 'ServerConfig', 'clean_model_name', 'model_aliases', 'ServerContext', 'Guard', 'error_json',
            'render_chat', 'chat_messages', 'template_kwargs', 'chat_prompt_ids', 'tools_active', 'tool_limit',
-           'check_token_ids', 'completion_prompt_ids', 'prepare', 'start', 'start_all', 'ClientGone', 'until_done',
-           'tok_str', 'json_logprob', 'chat_logprobs', 'completion_logprobs', 'join_logprobs', 'prompt_logprobs_json',
-           'usage', 'finish_reason', 'sse', 'sse_error', 'output_error', 'Cursor', 'chat_chunk', 'role_chunk',
-           'chat_stream', 'ChoiceDeltas', 'choice_parsers', 'chat_chunks', 'merge', 'EventStream', 'completion_chunk',
+           'check_token_ids', 'completion_prompt_ids', 'prepare', 'start_all', 'ClientGone', 'until_done', 'tok_str',
+           'json_logprob', 'chat_logprobs', 'completion_logprobs', 'join_logprobs', 'prompt_logprobs_json', 'usage',
+           'finish_reason', 'sse', 'sse_error', 'output_error', 'Cursor', 'chat_chunk', 'role_chunk', 'chat_stream',
+           'ChoiceDeltas', 'choice_parsers', 'chat_chunks', 'merge', 'EventStream', 'completion_chunk',
            'completion_stream', 'echo_text', 'echo_logprobs', 'needs_prompt_logprobs', 'chat_completions',
            'chat_response', 'completions', 'completion_choice', 'token_piece', 'tokenize', 'detokenize', 'health',
            'models', 'stats', 'metrics', 'debug_trace', 'load_chat_template', 'check_tool_call_parser',
@@ -240,25 +240,22 @@ def prepare(ctx: ServerContext, req, ids, params, param):
 
 
 # %% ../nbs/10_api.ipynb
-async def start(ctx: ServerContext, ids, params, priority, param, request_id=None):
-    "Open an engine stream; returns `(first_output, generator)`."
-    if params.structured_outputs is not None:   # compiled (or found cached) off the event loop and outside the engine's lock
-        await asyncio.to_thread(ctx.engine.structured.compile, params.structured_outputs)
-    gen = ctx.aeng.generate(ids, params, request_id=request_id or f"req-{uuid.uuid4().hex}", priority=priority)
-    try: first = await gen.__anext__()
+async def start_all(ctx: ServerContext, req, prompts, params, param, request_id=None):
+    "Open one engine stream per `(ids, params)` of `prompts`, all in the same step, and fetch each first output; returns `[(first_output, stream)]`."
+    for _, p in prompts:   # grammars compiled (or found cached) off the event loop and outside the engine's lock
+        if p.structured_outputs is not None: await asyncio.to_thread(ctx.engine.structured.compile, p.structured_outputs)
+    # the engine's request id is the response's id (`-i` for prompt i of several), so a trace can be asked for
+    base = request_id or f"req-{uuid.uuid4().hex}"
+    rids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
+    try: gens = await ctx.aeng.generate_all([(rid, ids, p) for rid, (ids, p) in zip(rids, prompts)], req.priority)
     except ValueError as e: raise bad_request(getattr(e, "param", param), str(e)) from None   # a field SamplingParams names
     except QueueFull as e: raise APIError(503, str(e), "server_overloaded", code="queue_full") from None
-    return first, gen
-
-async def start_all(ctx, req, prompts, params, param, request_id=None):
-    "Start every prompt's stream; if one fails, close those already started."
-    started = []   # the engine's request id is the response's id (`-i` for prompt i of several), so a trace can be asked for
+    started = []
     try:
-        for i, (ids, p) in enumerate(prompts):
-            rid = request_id if len(prompts) == 1 or request_id is None else f"{request_id}-{i}"
-            started.append(await start(ctx, ids, p, req.priority, param, rid))
+        for g in gens: started.append((await g.__anext__(), g))
     except BaseException:
-        for _, g in started: await g.aclose()
+        for g in gens: await g.aclose()
+        for rid in rids: ctx.aeng.abort(rid)     # closing a stream never read does not run it, so it cannot abort
         raise
     return started
 

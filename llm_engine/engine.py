@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_engine.ipynb 3
 from __future__ import annotations
-import asyncio, ctypes, ctypes.util, itertools, threading, time, uuid
+import asyncio, contextlib, ctypes, ctypes.util, itertools, threading, time, uuid
 from collections import deque
 from dataclasses import dataclass, field, replace
 import numpy as np, torch
@@ -529,11 +529,29 @@ def _run(self: AsyncLLMEngine):
 @patch
 async def generate(self: AsyncLLMEngine, prompt, params: SamplingParams|None = None, request_id=None, priority=0):
     "Async iterator of cumulative `RequestOutput`s for one request; bad input raises before the first yield."
-    rid = request_id or uuid.uuid4().hex
-    s = _Stream(asyncio.get_running_loop(), asyncio.Event())
-    # tokenizing and waiting for the lock (held for a whole step) happen off the event loop
-    await asyncio.to_thread(self._add, rid, prompt, params, priority, s)
+    outs, = await self.generate_all([(request_id or uuid.uuid4().hex, prompt, params)], priority)
+    async with contextlib.aclosing(outs):     # closing this stream closes (and so aborts) the engine's
+        async for out in outs: yield out
+
+@patch
+async def generate_all(self: AsyncLLMEngine, items: list, priority=0) -> list:
+    "Add every `(request_id, prompt, params)` under one hold of the lock, so all enter the same step; their output iterators, in order. Bad input in any raises here and adds none."
+    loop = asyncio.get_running_loop()
+    streams = {rid: _Stream(loop, asyncio.Event()) for rid, _, _ in items}
+    # tokenizing and waiting for the lock (held for a whole step) happen off the event loop; shielded, so a caller
+    # cancelled meanwhile still learns what went in, and takes it out again
+    adding = asyncio.ensure_future(asyncio.to_thread(self._add_all, items, priority, streams))
+    try: await asyncio.shield(adding)
+    except asyncio.CancelledError:
+        await asyncio.wait([adding])
+        for rid in streams: self.abort(rid)
+        raise
     self._wake.set()
+    return [self._follow(rid, s) for rid, s in streams.items()]
+
+@patch
+async def _follow(self: AsyncLLMEngine, rid, s: _Stream):
+    "The outputs of the added request `rid` as they arrive; a reader that stops before the last aborts it."
     finished = False
     try:
         while not finished:
@@ -548,10 +566,16 @@ async def generate(self: AsyncLLMEngine, prompt, params: SamplingParams|None = N
         if not finished: self.abort(rid)
 
 @patch
-def _add(self: AsyncLLMEngine, rid, prompt, params, priority, stream: _Stream):
+def _add_all(self: AsyncLLMEngine, items: list, priority, streams: dict):
+    "Add every `(request id, prompt, params)` under one hold of the lock; when one is refused, none stays."
     with self._lock:
-        self.engine.add_request(rid, prompt, params, priority)
-        self._streams[rid] = stream
+        added = []
+        try:
+            for rid, prompt, params in items:
+                self.engine.add_request(rid, prompt, params, priority); added.append(rid); self._streams[rid] = streams[rid]
+        except BaseException:
+            for rid in added: self._streams.pop(rid, None); self.engine.abort(rid)
+            raise
 
 @patch
 def abort(self: AsyncLLMEngine, request_id):
@@ -573,25 +597,13 @@ def shutdown(self: AsyncLLMEngine):
 
 # %% ../nbs/08_engine.ipynb
 @patch
-def _add_all(self: AsyncLLMEngine, items: list, params, priority, streams: dict):
-    "Add every `(request id, prompt)` under one hold of the lock; when one is refused, none stays."
-    with self._lock:
-        added = []
-        try:
-            for rid, prompt in items:
-                self.engine.add_request(rid, prompt, params, priority); added.append(rid); self._streams[rid] = streams[rid]
-        except BaseException:
-            for rid in added: self._streams.pop(rid, None); self.engine.abort(rid)
-            raise
-
-@patch
 async def encode(self: AsyncLLMEngine, prompts: list, params: PoolingParams|None = None, request_id=None,
                  priority=0) -> list[PoolingRequestOutput]:
     "Pool every prompt (strings or token-id lists), one request each, batched with everything else; outputs in order."
     loop, base, ready = asyncio.get_running_loop(), request_id or uuid.uuid4().hex, asyncio.Event()
     # one event for all: each wake reads every stream with news, so no output waits unread long enough to count as a stall
     streams = {f"{base}-{i}": _Stream(loop, ready) for i in range(len(prompts))}
-    adding, done = asyncio.ensure_future(asyncio.to_thread(self._add_all, list(zip(streams, prompts)), params or PoolingParams(),
+    adding, done = asyncio.ensure_future(asyncio.to_thread(self._add_all, [(rid, p, params or PoolingParams()) for rid, p in zip(streams, prompts)],
                                                            priority, streams)), {}
     try:
         await asyncio.shield(adding); self._wake.set()
