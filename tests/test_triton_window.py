@@ -135,4 +135,6 @@ def test_triton_kernel_skips_blocks_before_the_window():
     kc, vc = kc.clone(), vc.clone()
     for b, L in enumerate(LENS): kc[bt[b, : max(0, L - window) // BS]] = vc[bt[b, : max(0, L - window) // BS]] = float("nan")
     got = paged_decode_triton(*(x.to(device) for x in (torch.empty_like(q), q, kc, vc, poisoned, ctx)), D ** -0.5, window, 2.0)
-    torch.testing.assert_close(got.cpu(), want)
+    # what this test is for: a read of a poisoned block gives NaN or an error of order 1 (precision is the test above's).
+    # At fp32's default tolerance one run in several failed: Triton's interpreter, 127 of 1,792 values off by up to 4.2e-5
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)

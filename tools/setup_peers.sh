@@ -61,10 +61,13 @@ if ! skip llama; then
   nice cmake --build llama.cpp/build --target llama-server llama-quantize -j"$JOBS"
   # the same source built for AVX2 + FMA + F16C alone (no AVX-512): what an AVX2-only CPU runs, so an AVX-512
   # machine can time llama.cpp's AVX2 path beside ours under LLM_ENGINE_ISA=avx2
-  cmake -S "$LC" -B llama.cpp/build-avx2 -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
-        -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-        -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF
-  nice cmake --build llama.cpp/build-avx2 --target llama-server -j"$JOBS"
+  # (on a CPU without AVX-512 the native build is that build: linked, not compiled twice)
+  if grep -q avx512f /proc/cpuinfo 2>/dev/null; then
+    cmake -S "$LC" -B llama.cpp/build-avx2 -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+          -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+          -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF
+    nice cmake --build llama.cpp/build-avx2 --target llama-server -j"$JOBS"
+  else ln -sfn build llama.cpp/build-avx2; fi
   log "F32 GGUF with llama.cpp's own converter"
   [ -x convert/bin/python ] || "$PY" -m venv --system-site-packages convert
   convert/bin/pip install -q -c constraints.txt "./$LC/gguf-py" sentencepiece
