@@ -15,7 +15,7 @@ from .attention import AttentionMetadata, build_cpu_kernel, load_decode_kernel, 
 from .config import CPU_ISA
 from .rope import RotaryEmbedding
 from .model import (Llama, ModelConfig, PackedLinear, SECOND_COPY_MAX_BYTES, empty_model, load_model, load_tokenizer, load_weights,
-                              release_freed_memory, resolve_model, second_copy_pays, warn_window_paths)
+                              release_freed_memory, resolve_model, safetensors_header, second_copy_pays, warn_window_paths, _ST_DTYPES)
 
 # %% auto 0
 __all__ = ['STEP_KERNELS_SRC', 'NO_SCALES', 'WIDEN_CHUNK', 'QUANTIZE_CHUNK', 'Q4_GROUP', 'Q4_BYTES', 'Q4_SPAN', 'W8A8_ALPHA',
@@ -24,7 +24,8 @@ __all__ = ['STEP_KERNELS_SRC', 'NO_SCALES', 'WIDEN_CHUNK', 'QUANTIZE_CHUNK', 'Q4
            'Q4Linear', 'forward_logits', 'calibration_ids', 'activation_ranges', 'W8A8Linear', 'Int8Embedding',
            'quantize_linears', 'bound_dequantized_copies', 'replace_linears', 'FusedDecode', 'widen_bf16_linears',
            'unfused_differences', 'PlainHead', 'fuse_decode', 'huge_page_buffer', 'weights_in_huge_pages',
-           'load_for_serving', 'Agreement', 'compare_logits', 'best_of', 'weight_bytes_per_token']
+           'WidenedEmbedding', 'table_dtype', 'load_for_serving', 'Agreement', 'compare_logits', 'best_of',
+           'weight_bytes_per_token']
 
 # %% ../nbs/05b_precision.ipynb
 STEP_KERNELS_SRC = (Path(llm_engine.__file__).parent / "csrc" / "decode_step.cpp").read_text()
@@ -487,6 +488,24 @@ def _quantize_as_read(m: Llama, method: str):
         setattr(m.get_submodule(parent), child, QUANTIZERS[method](lin, child, None)); return True
     return when_full
 
+class WidenedEmbedding(nn.Module):
+    "An untied lookup table kept in its file's 16-bit float type, mapped from the file (only the rows read become resident); each row read is widened to the activations' dtype, exactly."
+    def __init__(self, table: torch.Tensor, dtype=torch.float32):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = table.shape
+        self.table_dtype = table.dtype
+        # held as its bits: `Module.to(dtype)` casts every float tensor, which would copy the whole table into memory
+        self.register_buffer("weight", table.view(torch.int16))
+        self.register_buffer("unit", torch.ones((), dtype=dtype), persistent=False)    # follows the model's casts: the dtype rows widen to
+    def forward(self, ids): return self.weight[ids].view(self.table_dtype).to(self.unit.dtype)
+
+def table_dtype(path) -> torch.dtype|None:
+    "The dtype of the token table in the model folder's safetensors files (None where there is none)."
+    for f in sorted(Path(path).glob("*.safetensors")):
+        e = next((e for k, e in safetensors_header(f)[1].items() if k.endswith("embed_tokens.weight")), None)
+        if e is not None: return _ST_DTYPES.get(e["dtype"])
+    return None
+
 def load_for_serving(model=None, dtype=torch.float32, device="cpu", quantization=None) -> tuple[Llama, Path]:
     "05's `load_model` with the linears quantized if asked (as read for `AS_READ`) and the fused decode step installed where it serves."
     if quantization is None: m, path = load_model(model, dtype, device)
@@ -494,9 +513,14 @@ def load_for_serving(model=None, dtype=torch.float32, device="cpu", quantization
         path = resolve_model(model)
         mc = ModelConfig.from_pretrained(path)
         as_read = quantization in AS_READ and device == "cpu"
-        # an untied table is not quantized: in `dtype` from the start, it is mapped from the file as an unquantized model's is
-        m = empty_model(mc, None, device, as_read, dtype if as_read and not mc.tie_word_embeddings else None)
+        # an untied table is not quantized: mapped from the file as an unquantized model's is, in `dtype`, or in the file's
+        # 16-bit type under fp32 activations (TinyLlama's bf16 table widened to fp32 was 384 MB resident, 0.4x llama.cpp's
+        # whole Q4_1 server; mapped, a few MB)
+        ft = table_dtype(path) if device == "cpu" and not mc.tie_word_embeddings else None
+        narrow = ft if ft in (torch.bfloat16, torch.float16) and dtype == torch.float32 else None
+        m = empty_model(mc, None, device, as_read, narrow or (dtype if as_read and not mc.tie_word_embeddings else None))
         m = load_weights(m, path, _quantize_as_read(m, quantization) if as_read else None)
+        if narrow is not None: m.embed_tokens = WidenedEmbedding(m.embed_tokens.weight.detach(), dtype)   # before w8a8 calibrates
         quantize_linears(m, quantization, path)     # from the fp32 weights, before the cast: what was not done as read
         m = m.to(dtype).eval()
         warn_window_paths(m)
@@ -536,7 +560,7 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     "Bytes of weights one decode step reads: every parameter and buffer, except lookup tables (one row is read per token)."
     seen, total = set(), 0
     for m in model.modules():
-        if isinstance(m, (nn.Embedding, RotaryEmbedding)): continue
+        if isinstance(m, (nn.Embedding, WidenedEmbedding, RotaryEmbedding)): continue
         for t in [*m._parameters.values(), *m._buffers.values()]:      # no set lookups: packed tensors cannot be compared
             if t is not None and id(t) not in seen:     # ids, not data pointers: oneDNN-packed tensors have none
                 seen.add(id(t)); total += t.numel() * t.element_size()
