@@ -538,8 +538,14 @@ async def generate_all(self: AsyncLLMEngine, items: list, priority=0) -> list:
     "Add every `(request_id, prompt, params)` under one hold of the lock, so all enter the same step; their output iterators, in order. Bad input in any raises here and adds none."
     loop = asyncio.get_running_loop()
     streams = {rid: _Stream(loop, asyncio.Event()) for rid, _, _ in items}
+    await self._add_shielded(items, priority, streams)
+    return [self._follow(rid, s) for rid, s in streams.items()]
+
+@patch
+async def _add_shielded(self: AsyncLLMEngine, items: list, priority, streams: dict):
+    "`_add_all` off the event loop, then the loop thread woken; a caller cancelled meanwhile takes back what went in."
     # tokenizing and waiting for the lock (held for a whole step) happen off the event loop; shielded, so a caller
-    # cancelled meanwhile still learns what went in, and takes it out again
+    # cancelled meanwhile still learns what went in
     adding = asyncio.ensure_future(asyncio.to_thread(self._add_all, items, priority, streams))
     try: await asyncio.shield(adding)
     except asyncio.CancelledError:
@@ -547,7 +553,6 @@ async def generate_all(self: AsyncLLMEngine, items: list, priority=0) -> list:
         for rid in streams: self.abort(rid)
         raise
     self._wake.set()
-    return [self._follow(rid, s) for rid, s in streams.items()]
 
 @patch
 async def _follow(self: AsyncLLMEngine, rid, s: _Stream):
@@ -603,10 +608,9 @@ async def encode(self: AsyncLLMEngine, prompts: list, params: PoolingParams|None
     loop, base, ready = asyncio.get_running_loop(), request_id or uuid.uuid4().hex, asyncio.Event()
     # one event for all: each wake reads every stream with news, so no output waits unread long enough to count as a stall
     streams = {f"{base}-{i}": _Stream(loop, ready) for i in range(len(prompts))}
-    adding, done = asyncio.ensure_future(asyncio.to_thread(self._add_all, [(rid, p, params or PoolingParams()) for rid, p in zip(streams, prompts)],
-                                                           priority, streams)), {}
+    await self._add_shielded([(rid, p, params or PoolingParams()) for rid, p in zip(streams, prompts)], priority, streams)
+    done = {}
     try:
-        await asyncio.shield(adding); self._wake.set()
         while len(done) < len(streams):
             await ready.wait(); ready.clear()
             for rid, s in streams.items():
@@ -616,7 +620,6 @@ async def encode(self: AsyncLLMEngine, prompts: list, params: PoolingParams|None
                 if out is not None and out.finished: done[rid] = out
         return [done[rid] for rid in streams]
     finally:
-        if not adding.done(): await asyncio.wait([adding])    # in (or refused) before being aborted
         for rid in streams:
             if rid not in done: self.abort(rid)
             else: self._streams.pop(rid, None)
