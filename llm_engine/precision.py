@@ -244,7 +244,7 @@ def activation_ranges(model: nn.Module, ids: list[int]) -> dict[str, torch.Tenso
 class W8A8Linear(Int8Linear):
     "`Int8Linear` for a few rows; for large batches int8 activations too: SmoothQuant scaling, a scale per row, VNNI matmul."
     small_batch = WeightOnlyLinear.small_batch      # its large batches are its own path: not `Int8Linear`'s AVX2 bound
-    def __init__(self, lin: nn.Linear, act_range: torch.Tensor, alpha: float = W8A8_ALPHA):
+    def __init__(self, lin: nn.Linear, act_range: torch.Tensor, alpha: float = W8A8_ALPHA, keep_smoothed=False):
         super().__init__(lin)
         w = lin.weight.detach().float()
         s = act_range.float().clamp(min=1e-5) ** alpha / w.abs().amax(0).clamp(min=1e-5) ** (1 - alpha)
@@ -261,6 +261,9 @@ class W8A8Linear(Int8Linear):
         # the weight packed for oneDNN's u8 x s8 matmul, with its scales: made here, since nearly every prompt is a large
         # batch (packing all of SmolLM2's took 0.6 s, which the first request would otherwise wait for)
         self.onednn = self._pack() if self.kernel else False
+        # oneDNN's packed copy is then what large batches read: the smoothed int8 weight beside it was a third copy of the
+        # layer (TinyLlama-1.1B's shape: 1 GB of 3.3); kept where a path still reads it (no oneDNN) or when asked (tests)
+        if self.onednn and not keep_smoothed: self.smooth_weight = None
     def _pack(self):
         "oneDNN's int8 matmul on a weight packed once, its scales applied inside: 1.3x `_int_mm` at 32 rows. False where missing."
         try:
