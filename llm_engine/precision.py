@@ -329,9 +329,12 @@ def bound_dequantized_copies(model: nn.Module, max_bytes=None) -> bool:
 
 def replace_linears(model: nn.Module, make) -> nn.Module:
     "Replace every plain `nn.Linear` by `make(linear, its full name)` (which may return it unchanged)."
-    for prefix, mod in list(model.named_modules()):
-        for name, child in list(mod.named_children()):
-            if type(child) is nn.Linear: setattr(mod, name, make(child, f"{prefix}.{name}".lstrip(".")))
+    # names first, each layer fetched as it is replaced: a list of the modules themselves held every old layer until the
+    # end (w8a8 on a 1.1B model: its 4.4 GB of fp32 weights beside all the int8 ones, a peak of 6.5 GB)
+    names = [(prefix, name) for prefix, mod in model.named_modules() for name, child in mod.named_children() if type(child) is nn.Linear]
+    for prefix, name in names:
+        mod = model.get_submodule(prefix)
+        setattr(mod, name, make(getattr(mod, name), f"{prefix}.{name}".lstrip(".")))
     return model
 
 # %% ../nbs/05b_precision.ipynb
