@@ -466,13 +466,14 @@ def our_notes() -> dict:
     from llm_engine.precision import WeightOnlyLinear, Bf16Linear, Int8Linear, Q4Linear, FusedDecode
     one = WeightOnlyLinear.small_batch      # rows the quantized one-call layer takes (4 with bf16 arithmetic, 24 without)
     q4 = "the GGUF's own Q4_1 layer weights (lm_head int8), activations rounded to 16 bits per block in our kernel"
+    w8a8 = ("int8 activations too (SmoothQuant, a scale per token, VNNI int8 matmul)" if CPU_ISA.vnni else
+            "int8 activations of 7 bits (SmoothQuant, a scale per token; without VNNI 8-bit products saturate), oneDNN's u8 x s8 matmul")
+    w8a8 = (f"int8 weights; from {one + 1} rows {w8a8}; {'bf16' if CPU_ISA.bf16 else 'fp32'} activations and KV cache (auto here); "
+            f"one C++ call per layer at 1-{one} rows")
     if CPU_ISA.bf16: return dict(
         bf16=f"bf16 weights, activations and KV cache; one C++ call per layer at 1-{FusedDecode.BF16_ROWS} rows, oneDNN's bf16 matmul beyond",
         int8=f"int8 weight-only, fp32 activations; one C++ call per layer at 1-{one} rows, dequantized bf16 beyond",
-        q4=f"{q4}; one C++ call per layer at 1-{one} rows, dequantized bf16 beyond",
-        w8a8=(f"int8 weights; from {one + 1} rows int8 activations too (SmoothQuant, a scale per token, "
-              f"{'VNNI int8 matmul' if CPU_ISA.vnni else '7 bits: without VNNI 8-bit products saturate'}); bf16 activations and KV cache (auto here); "
-              f"one C++ call per layer at 1-{one} rows"))
+        q4=f"{q4}; one C++ call per layer at 1-{one} rows, dequantized bf16 beyond", w8a8=w8a8)
     # no bf16 arithmetic (AVX2): every weight is widened to fp32 in registers, or per call for large batches
     wide = "an fp32 matmul on weights widened per call beyond"
     return dict(
@@ -480,16 +481,14 @@ def our_notes() -> dict:
               f"our kernel to {Bf16Linear.small_batch} rows (two weight rows at a time from 4), {wide}"),
         int8=f"int8 weight-only, fp32 activations; one C++ call per layer at 1-{one} rows, our kernel to {Int8Linear.small_batch} rows, {wide}",
         q4=f"{q4}; one C++ call per layer at 1-{one} rows, our kernel to {Q4Linear.small_batch}-32 rows (32 from 2,048 inputs), {wide}",
-        w8a8=(f"int8 weights; from {one + 1} rows int8 activations of 7 bits (SmoothQuant, a scale per token; without VNNI 8-bit products "
-              f"saturate), oneDNN's u8 x s8 matmul; fp32 activations and KV cache (auto here); one C++ call per layer at 1-{one} rows"))
+        w8a8=w8a8)
 
 # llm_engine's own rows: (name, engine options, note); ratios in the table are against the first (fp32, the baseline)
 _NOTES = our_notes()
 OURS = (("llm_engine", dict(dtype="float32", scheduling_policy="sjf"), "fp32, shortest prompt first"),
-        *((f"llm_engine {k}", opts, _NOTES[k] + "; sjf") for k, opts in (("bf16", dict(dtype="bfloat16", scheduling_policy="sjf")),
-                                                                         ("int8", dict(quantization="int8", scheduling_policy="sjf")),
-                                                                         ("q4", dict(quantization="q4", scheduling_policy="sjf")),
-                                                                         ("w8a8", dict(quantization="w8a8", scheduling_policy="sjf")))))
+        *((f"llm_engine {k}", dict(opts, scheduling_policy="sjf"), _NOTES[k] + "; sjf")
+          for k, opts in (("bf16", dict(dtype="bfloat16")), ("int8", dict(quantization="int8")),
+                          ("q4", dict(quantization="q4")), ("w8a8", dict(quantization="w8a8")))))
 # rows run only when `--ours` names them
 MORE_OURS = (("llm_engine kv8", dict(dtype="bfloat16", kv_cache_dtype="int8", scheduling_policy="sjf"),
               "bf16 weights and activations, int8 KV cache (one scale per block and head, 03); the layer loop, not the fused step; sjf"),)
