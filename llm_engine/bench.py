@@ -466,8 +466,9 @@ def our_notes() -> dict:
     from llm_engine.precision import WeightOnlyLinear, Bf16Linear, Int8Linear, Q4Linear, FusedDecode
     one = WeightOnlyLinear.small_batch      # rows the quantized one-call layer takes (4 with bf16 arithmetic, 24 without)
     q4 = "the GGUF's own Q4_1 layer weights (lm_head int8), activations rounded to 16 bits per block in our kernel"
-    w8a8 = ("int8 activations too (SmoothQuant, a scale per token, VNNI int8 matmul)" if CPU_ISA.vnni else
-            "int8 activations of 7 bits (SmoothQuant, a scale per token; without VNNI 8-bit products saturate), oneDNN's u8 x s8 matmul")
+    w8a8 = ("int8 activations too (SmoothQuant, a scale and zero point per token, VNNI int8 matmul)" if CPU_ISA.vnni else
+            "int8 activations on 128 levels (SmoothQuant, a scale and zero point per token; without VNNI 8-bit products saturate), "
+            "oneDNN's u8 x s8 matmul")
     w8a8 = (f"int8 weights; from {one + 1} rows {w8a8}; {'bf16' if CPU_ISA.bf16 else 'fp32'} activations and KV cache (auto here); "
             f"one C++ call per layer at 1-{one} rows")
     if CPU_ISA.bf16: return dict(

@@ -242,7 +242,7 @@ def activation_ranges(model: nn.Module, ids: list[int]) -> dict[str, torch.Tenso
 
 # %% ../nbs/05b_precision.ipynb
 class W8A8Linear(Int8Linear):
-    "`Int8Linear` for a few rows; for large batches int8 activations too: SmoothQuant scaling, a scale per row, VNNI matmul."
+    "`Int8Linear` for a few rows; for large batches int8 activations too: SmoothQuant scaling, a scale and zero point per row, an int8 matmul."
     small_batch = WeightOnlyLinear.small_batch      # its large batches are its own path: not `Int8Linear`'s AVX2 bound
     def __init__(self, lin: nn.Linear, act_range: torch.Tensor, alpha: float = W8A8_ALPHA, keep_smoothed=False):
         super().__init__(lin)
@@ -253,11 +253,13 @@ class W8A8Linear(Int8Linear):
         self.register_buffer("smooth", s)
         self.register_buffer("smooth_weight", q.t())       # [in, out]: the layout `_int_mm` takes, a view of the rows
         self.register_buffer("smooth_scales", scales)
+        # each column's sum times its scale: a row's zero point times it is that point's share of the product, taken off after
+        self.register_buffer("col_sums", q.sum(1, dtype=torch.int32).float() * scales.float())
         self.none = torch.empty(0)
-        # without VNNI (AVX2, older AVX-512) 8-bit multiply-adds sum u8 x s8 pairs in 16 bits and saturate: activations
-        # keep 7 bits there (|q| <= 63, stored as q + 64), which makes oneDNN's product exact again; `_int_mm` has no such
-        # form, so where oneDNN is missing such a CPU takes int8's weight-only path
-        self.qmax = 127 if CPU_ISA.vnni else 63
+        # a row is rounded onto all `levels` between its own min and max: without VNNI (AVX2, older AVX-512) 8-bit
+        # multiply-adds sum u8 x s8 pairs in 16 bits and saturate, so there a row keeps 7 bits (0..127), which makes
+        # oneDNN's product exact; `_int_mm` has no such form, so where oneDNN is missing such a CPU takes int8's weight-only path
+        self.levels = 255 if CPU_ISA.vnni else 127
         # the weight packed for oneDNN's u8 x s8 matmul, with its scales: made here, since nearly every prompt is a large
         # batch (packing all of SmolLM2's took 0.6 s, which the first request would otherwise wait for)
         self.onednn = self._pack() if self.kernel else False
@@ -272,20 +274,21 @@ class W8A8Linear(Int8Linear):
         except (AttributeError, RuntimeError): return False
     def large_batch(self, x2):
         if x2.device.type != "cpu": return super().large_batch(x2)    # our quantizing kernels are CPU code
-        if self.kernel and self.onednn:   # uint8 rows (q + zp, the zero point oneDNN subtracts again), fp32 out with the weights' scales
-            zp = self.qmax + 1
-            xq, a = torch.ops.llm_engine.quantize_rows(x2, self.smooth, zp, self.qmax)
-            y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, zp, self.onednn[0], self.onednn[1], self.onednn[2], None, 1.0, 0,
+        if self.kernel and self.onednn:   # uint8 rows in, fp32 out with the weights' scales; the rows' zero points come off after
+            xq, a, z = torch.ops.llm_engine.quantize_rows(x2, self.smooth, self.levels)
+            y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, self.onednn[0], self.onednn[1], self.onednn[2], None, 1.0, 0,
                                                    torch.float32, "none", [], "")
-            return torch.ops.llm_engine.dequantize_rows(y, a, self.none, x2.dtype)
-        if self.qmax < 127: return super().large_batch(x2)    # no exact int8 product here: weight-only int8
-        if self.kernel:
-            xq, a = torch.ops.llm_engine.quantize_rows(x2, self.smooth)
-            return torch.ops.llm_engine.dequantize_rows(torch._int_mm(xq, self.smooth_weight), a, self.smooth_scales, x2.dtype)
+            return torch.ops.llm_engine.dequantize_rows(y, a, self.none, x2.dtype, z, self.col_sums)
+        if self.levels < 255: return super().large_batch(x2)    # no exact int8 product here: weight-only int8
+        if self.kernel:   # the same rounding, shifted into int8 (q - 128, z - 128) for `_int_mm`
+            xq, a, z = torch.ops.llm_engine.quantize_rows(x2, self.smooth, 255, True)
+            return torch.ops.llm_engine.dequantize_rows(torch._int_mm(xq, self.smooth_weight), a, self.smooth_scales, x2.dtype, z, self.col_sums)
         xs = x2.float() / self.smooth.float()          # the same steps in torch, where no compiler is found
-        a = xs.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127
-        xq = torch.round(xs / a).clamp(-127, 127).to(torch.int8)
-        return (torch._int_mm(xq, self.smooth_weight).float() * a * self.smooth_scales.float()).to(x2.dtype)
+        lo, hi = xs.amin(-1, keepdim=True).clamp(max=0), xs.amax(-1, keepdim=True).clamp(min=0)
+        a = (hi - lo).clamp(min=1e-30) / 255
+        z = torch.round(-lo / a)
+        xq = ((torch.round(xs / a) + z).clamp(0, 255) - 128).to(torch.int8)
+        return ((torch._int_mm(xq, self.smooth_weight).float() * self.smooth_scales.float() - (z - 128) * self.col_sums) * a).to(x2.dtype)
 
 def _q4_or_int8(lin, name, act):
     return Int8Linear(lin) if name == "lm_head" or lin.in_features % (2 * Q4_GROUP) else Q4Linear(lin)

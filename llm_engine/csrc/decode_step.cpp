@@ -760,24 +760,26 @@ at::Tensor silu_mul(const at::Tensor& gu_) {
 }
 
 // ---- int8 activations for large batches (w8a8, notebook 05b) ----
-// Row m of x, divided by the smoothing factors s, becomes int8 q with one scale a[m] = max|x/s| / qmax (qmax 127, or
-// 63 where the CPU has no VNNI: its 8-bit multiply-adds sum pairs of u8 x s8 products in 16 bits, which saturate
-// unless the unsigned side stays below 128). A row with
-// a non-finite value gets a NaN scale and zeros, so the NaN reaches the output as it would in fp32 (the sum
+// Row m of x, divided by the smoothing factors s, becomes q in 0..levels with a scale a[m] and a zero point z[m]
+// (x/s ~ a * (q - z)): the row's own [min, max], widened to hold 0, spread over all the levels. `levels` is 255, or 127
+// where the CPU has no VNNI: its 8-bit multiply-adds sum pairs of u8 x s8 products in 16 bits, which saturate unless
+// the unsigned side stays below 128. With `to_signed` q - 128 and z - 128 come back, the int8 form `_int_mm` takes.
+// A row with a non-finite value gets a NaN scale and zeros, so the NaN reaches the output as it would in fp32 (the sum
 // carries it: -ffast-math may drop a NaN from the max).
 template <typename T, typename S, typename Q>
-static void quantize_row(const T* x, const S* s, int64_t K, Q* q, float* a, int zero, float qmax) {
-  float amax = 0.f, sum = 0.f;
+static void quantize_row(const T* x, const S* s, int64_t K, Q* q, float* a, float* z, float levels, int shift) {
+  float lo = 0.f, hi = 0.f, sum = 0.f;
   for (int64_t k = 0; k < K; ++k) {
-    const float v = std::fabs(static_cast<float>(x[k]) / static_cast<float>(s[k])); amax = std::max(amax, v); sum += v;
+    const float v = static_cast<float>(x[k]) / static_cast<float>(s[k]);
+    lo = std::min(lo, v); hi = std::max(hi, v); sum += std::fabs(v);
   }
-  if (nonfinite(sum)) { std::fill(q, q + K, static_cast<Q>(zero)); *a = quiet_nan(); return; }
-  const float scale = std::max(amax, 1e-30f) / qmax;
+  if (nonfinite(sum)) { std::fill(q, q + K, static_cast<Q>(-shift)); *a = quiet_nan(); *z = 0.f; return; }
+  const float scale = std::max(hi - lo, 1e-30f) / levels, zero = std::nearbyint(-lo / scale);
   for (int64_t k = 0; k < K; ++k) {
-    const float v = static_cast<float>(x[k]) / static_cast<float>(s[k]) / scale;
-    q[k] = static_cast<Q>(static_cast<int>(std::max(-qmax, std::min(qmax, std::nearbyint(v)))) + zero);
+    const float v = std::nearbyint(static_cast<float>(x[k]) / static_cast<float>(s[k]) / scale) + zero;
+    q[k] = static_cast<Q>(static_cast<int>(std::max(0.f, std::min(levels, v))) - shift);
   }
-  *a = scale;
+  *a = scale; *z = zero - shift;
 }
 
 // the smoothing factors and scales come as the model holds them: fp32, or bf16 in a model cast to bf16
@@ -785,44 +787,52 @@ static void quantize_row(const T* x, const S* s, int64_t K, Q* q, float* a, int 
   if ((t).scalar_type() == at::kFloat) { using S = float; __VA_ARGS__(); } \
   else { TORCH_CHECK((t).scalar_type() == at::kBFloat16, "scales: fp32 or bf16"); using S = at::BFloat16; __VA_ARGS__(); }
 
-// q: int8, or with `zero_point` 128 (or 64, for qmax 63) uint8 (q + zero_point), the form oneDNN's u8 x s8 matmul takes
-std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_, const at::Tensor& s_, int64_t zero_point, int64_t qmax) {
+// (q, a, z): q uint8 [M, K] (int8 with `to_signed`), the rows' scales a and zero points z, fp32 [M, 1]
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_, const at::Tensor& s_, int64_t levels, bool to_signed) {
   const at::Tensor x = x_.contiguous(), s = s_.contiguous();
   TORCH_CHECK(x.dim() == 2 && s.numel() == x.size(1), "quantize_rows: x [M, K] and one smoothing factor per column");
-  TORCH_CHECK(qmax >= 1 && qmax <= 127 && (zero_point == 0 || (zero_point > qmax && zero_point + qmax <= 255)),
-              "quantize_rows: qmax in 1..127, zero_point 0 (int8) or a uint8 offset that keeps q + zero_point in 0..255");
+  TORCH_CHECK(levels >= 1 && levels <= 255 && (!to_signed || levels == 255), "quantize_rows: levels in 1..255 (255 for int8 out)");
   const int64_t M = x.size(0), K = x.size(1);
-  at::Tensor q = at::empty({M, K}, x.options().dtype(zero_point ? at::kByte : at::kChar)), a = at::empty({M, 1}, x.options().dtype(at::kFloat));
+  at::Tensor q = at::empty({M, K}, x.options().dtype(to_signed ? at::kChar : at::kByte));
+  at::Tensor a = at::empty({M, 1}, x.options().dtype(at::kFloat)), z = at::empty({M, 1}, x.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quantize_rows", [&] {
     DISPATCH_SCALES(s, [&] {
-      const scalar_t* xp = x.data_ptr<scalar_t>(); const S* sp = s.data_ptr<S>(); float* ap = a.data_ptr<float>();
+      const scalar_t* xp = x.data_ptr<scalar_t>(); const S* sp = s.data_ptr<S>(); float* ap = a.data_ptr<float>(); float* zp = z.data_ptr<float>();
       at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
         for (int64_t m = m0; m < m1; ++m) {
-          if (zero_point) quantize_row(xp + m * K, sp, K, q.data_ptr<uint8_t>() + m * K, ap + m, (int)zero_point, (float)qmax);
-          else quantize_row(xp + m * K, sp, K, q.data_ptr<int8_t>() + m * K, ap + m, 0, (float)qmax);
+          if (to_signed) quantize_row(xp + m * K, sp, K, q.data_ptr<int8_t>() + m * K, ap + m, zp + m, (float)levels, 128);
+          else quantize_row(xp + m * K, sp, K, q.data_ptr<uint8_t>() + m * K, ap + m, zp + m, (float)levels, 0);
         }
       });
     });
   });
-  return {q, a};
+  return {q, a, z};
 }
 
-// y [M, N] = acc times the rows' scales a [M] and the columns' w [N] (w empty: 1); acc is the int32 product of
-// quantized rows and weights, or an fp32 one that already carries the columns' scales
-at::Tensor dequantize_rows(const at::Tensor& acc_, const at::Tensor& a_, const at::Tensor& w_, at::ScalarType dtype) {
-  const at::Tensor acc = acc_.contiguous(), a = a_.contiguous(), w = w_.contiguous();
+// y [M, N] = a[m] * (acc[m, n] * w[n] - z[m] * c[n]): acc is the product of the quantized rows and the int8 weights
+// (int32, or fp32 that already carries the columns' scales: w empty), c[n] the weight column's sum times its scale, so
+// that z's share of the product goes again (z and c empty: none)
+at::Tensor dequantize_rows(const at::Tensor& acc_, const at::Tensor& a_, const at::Tensor& w_, at::ScalarType dtype,
+                           const at::Tensor& z_, const at::Tensor& c_) {
+  const at::Tensor acc = acc_.contiguous(), a = a_.contiguous(), w = w_.contiguous(), z = z_.contiguous(), c = c_.contiguous();
   TORCH_CHECK((acc.scalar_type() == at::kInt || acc.scalar_type() == at::kFloat) && acc.dim() == 2 && a.scalar_type() == at::kFloat &&
               a.numel() == acc.size(0) && (w.numel() == acc.size(1) || w.numel() == 0), "dequantize_rows: int32 or fp32 acc [M, N], fp32 a [M], w [N] or empty");
   const int64_t M = acc.size(0), N = acc.size(1);
+  const bool shifted = z.numel() > 0;
+  TORCH_CHECK(!shifted || (z.scalar_type() == at::kFloat && z.numel() == M && c.scalar_type() == at::kFloat && c.numel() == N),
+              "dequantize_rows: fp32 zero points z [M] with fp32 column sums c [N], or both empty");
   at::Tensor y = at::empty({M, N}, acc.options().dtype(dtype));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "dequantize_rows", [&] {
     const float* ap = a.data_ptr<float>(); scalar_t* yp = y.data_ptr<scalar_t>();
-    auto rows = [&](auto* cp, auto* wp) {
+    const float* zp = shifted ? z.data_ptr<float>() : nullptr; const float* cp = shifted ? c.data_ptr<float>() : nullptr;
+    auto rows = [&](auto* accp, auto* wp) {
       at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
         for (int64_t m = m0; m < m1; ++m) {
-          const float am = ap[m]; const auto* c = cp + m * N; scalar_t* o = yp + m * N;
-          if (wp) for (int64_t n = 0; n < N; ++n) o[n] = static_cast<scalar_t>(static_cast<float>(c[n]) * am * static_cast<float>(wp[n]));
-          else for (int64_t n = 0; n < N; ++n) o[n] = static_cast<scalar_t>(static_cast<float>(c[n]) * am);
+          const float am = ap[m], zm = shifted ? zp[m] : 0.f; const auto* r = accp + m * N; scalar_t* o = yp + m * N;
+          for (int64_t n = 0; n < N; ++n) {
+            const float v = static_cast<float>(r[n]) * (wp ? static_cast<float>(wp[n]) : 1.f);
+            o[n] = static_cast<scalar_t>(am * (shifted ? v - zm * cp[n] : v));
+          }
         }
       });
     };
@@ -866,8 +876,8 @@ TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, int nh, int nkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
-  m.def("quantize_rows(Tensor x, Tensor smooth, int zero_point=0, int qmax=127) -> (Tensor, Tensor)");
-  m.def("dequantize_rows(Tensor acc, Tensor row_scales, Tensor col_scales, ScalarType dtype) -> Tensor");
+  m.def("quantize_rows(Tensor x, Tensor smooth, int levels=255, bool to_signed=False) -> (Tensor, Tensor, Tensor)");
+  m.def("dequantize_rows(Tensor acc, Tensor row_scales, Tensor col_scales, ScalarType dtype, Tensor zero_points, Tensor col_sums) -> Tensor");
   m.def("decode_layers(Tensor x, Tensor residual, Tensor[] ln1, Tensor[] ln2, float eps, Tensor[] bqkv, Tensor[] wqkv, Tensor[] sqkv, "
         "Tensor[] wo, Tensor[] so, Tensor[] wgu, Tensor[] sgu, Tensor[] wd, Tensor[] sd, Tensor cos, Tensor sin, int nh, int nkv, "
         "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor block_tables, Tensor context_lens, float scale) -> (Tensor, Tensor)");
