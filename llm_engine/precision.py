@@ -6,6 +6,7 @@
 from __future__ import annotations
 import time, warnings
 from dataclasses import dataclass
+from functools import partial
 import torch
 import torch.nn.functional as F
 from pathlib import Path
@@ -19,13 +20,13 @@ from .model import (Llama, ModelConfig, PackedLinear, SECOND_COPY_MAX_BYTES, emp
 
 # %% auto 0
 __all__ = ['STEP_KERNELS_SRC', 'NO_SCALES', 'WIDEN_CHUNK', 'QUANTIZE_CHUNK', 'Q4_GROUP', 'Q4_BYTES', 'Q4_SPAN', 'W8A8_ALPHA',
-           'CALIBRATION_CHAT', 'QUANTIZERS', 'FUSED_SWITCHES', 'HUGE_PAGE', 'AS_READ', 'load_step_kernels',
-           'widen_buffer', 'WeightOnlyLinear', 'int8_rows', 'Int8Linear', 'Bf16Linear', 'quantize_q4', 'dequantize_q4',
-           'Q4Linear', 'forward_logits', 'calibration_ids', 'activation_ranges', 'W8A8Linear', 'Int8Embedding',
-           'quantize_linears', 'bound_dequantized_copies', 'replace_linears', 'FusedDecode', 'widen_bf16_linears',
-           'unfused_differences', 'PlainHead', 'fuse_decode', 'huge_page_buffer', 'weights_in_huge_pages',
-           'WidenedEmbedding', 'table_dtype', 'load_for_serving', 'Agreement', 'compare_logits', 'best_of',
-           'weight_bytes_per_token']
+           'CALIBRATION_CHAT', 'QUANTIZERS', 'FUSED_SWITCHES', 'HUGE_PAGE', 'AS_READ', 'CALIBRATE_AS_STORED',
+           'load_step_kernels', 'widen_buffer', 'WeightOnlyLinear', 'int8_rows', 'Int8Linear', 'Bf16Linear',
+           'quantize_q4', 'dequantize_q4', 'Q4Linear', 'forward_logits', 'calibration_ids', 'activation_ranges',
+           'W8A8Linear', 'Int8Embedding', 'quantize_linears', 'bound_dequantized_copies', 'replace_linears',
+           'FusedDecode', 'widen_bf16_linears', 'unfused_differences', 'PlainHead', 'fuse_decode', 'huge_page_buffer',
+           'weights_in_huge_pages', 'WidenedEmbedding', 'table_dtype', 'load_for_serving', 'Agreement',
+           'compare_logits', 'best_of', 'weight_bytes_per_token']
 
 # %% ../nbs/05b_precision.ipynb
 STEP_KERNELS_SRC = (Path(llm_engine.__file__).parent / "csrc" / "decode_step.cpp").read_text()
@@ -234,11 +235,21 @@ def activation_ranges(model: nn.Module, ids: list[int]) -> dict[str, torch.Tenso
             ranges[name] = torch.maximum(ranges[name], r) if name in ranges else r
         return hook
     hooks = [m.register_forward_hook(record(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    # weights kept in a 16-bit file's type (`load_for_serving`: half an fp32 copy's memory) are widened as each layer is
+    # called, to the activations' dtype: the same products as the fp32 copy's, never more than one layer of it at a time
+    dt, stored = model.dtype, [m for m in model.modules() if type(m) in (nn.Linear, nn.Embedding) and m.weight.dtype != model.dtype]
+    for m in stored: m.forward = partial(_widened, m, dt)
     # a model with a short context (a tiny test model) reads the chat's first positions only, not past its RoPE table
     try: forward_logits(model, ids[:model.config.max_position_embeddings])
     finally:
         for h in hooks: h.remove()
+        for m in stored: del m.forward
     return ranges
+
+def _widened(mod, dt, x):
+    "`mod`'s forward with its weight (and bias) widened to `dt` for this call."
+    if type(mod) is nn.Embedding: return F.embedding(x, mod.weight).to(dt)
+    return F.linear(x.to(dt), mod.weight.to(dt), None if mod.bias is None else mod.bias.to(dt))
 
 # %% ../nbs/05b_precision.ipynb
 class W8A8Linear(Int8Linear):
@@ -486,7 +497,8 @@ def weights_in_huge_pages(model: nn.Module) -> int:
     return off
 
 # %% ../nbs/05b_precision.ipynb
-AS_READ = ("int8", "q4")     # quantized layer by layer as the file is read; w8a8 calibrates on the whole fp32 model first
+AS_READ = ("int8", "q4")     # quantized layer by layer as the file is read; w8a8 calibrates on the whole model first
+CALIBRATE_AS_STORED = ("w8a8",)   # ...on a 16-bit file's weights as stored, each layer widened as it is called
 
 def _quantize_as_read(m: Llama, method: str):
     "A `load_weights` hook: each linear quantized the moment its weights are read, so fp32 copies are never all in memory."
@@ -525,12 +537,15 @@ def load_for_serving(model=None, dtype=torch.float32, device="cpu", quantization
         # an untied table is not quantized: mapped from the file as an unquantized model's is, in `dtype`, or in the file's
         # 16-bit type under fp32 activations (TinyLlama's bf16 table widened to fp32 was 384 MB resident, 0.4x llama.cpp's
         # whole Q4_1 server; mapped, a few MB)
-        ft = table_dtype(path) if device == "cpu" and not mc.tie_word_embeddings else None
+        fdt = table_dtype(path) if device == "cpu" else None
+        ft = None if mc.tie_word_embeddings else fdt
         narrow = ft if ft in (torch.bfloat16, torch.float16) and dtype == torch.float32 else None
-        m = empty_model(mc, None, device, as_read, narrow or (dtype if as_read and not mc.tie_word_embeddings else None))
+        # w8a8 calibrates on the whole model: a 16-bit file's matrices stay as stored for it (a 1.1B model's fp32 copy is 4.4 GB)
+        stored = fdt if quantization in CALIBRATE_AS_STORED and fdt in (torch.bfloat16, torch.float16) else None
+        m = empty_model(mc, stored, device, as_read, narrow or (dtype if as_read and not mc.tie_word_embeddings else None))
         m = load_weights(m, path, _quantize_as_read(m, quantization) if as_read else None)
         if narrow is not None: m.embed_tokens = WidenedEmbedding(m.embed_tokens.weight.detach(), dtype)   # before w8a8 calibrates
-        quantize_linears(m, quantization, path)     # from the fp32 weights, before the cast: what was not done as read
+        quantize_linears(m, quantization, path)     # from fp32 or 16-bit weights, before the cast: what was not done as read
         m = m.to(dtype).eval()
         warn_window_paths(m)
     fused = not unfused_differences(m.config)
