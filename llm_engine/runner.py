@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import accumulate
 from fastcore.basics import patch
+import math, mmap
 import torch
 from .attention import AttentionMetadata, QuantizedKV, KV_CODES, resolve_attention_backend
 from .model import Llama, prepack_linears, keep_freed_memory, release_freed_memory
 from .scheduler import SchedulerOutput, ScheduledSeq
 
 # %% auto 0
-__all__ = ['StepInputs', 'RunnerOutput', 'ModelRunner', 'pool_rows']
+__all__ = ['StepInputs', 'RunnerOutput', 'lazy_zeros', 'ModelRunner', 'pool_rows']
 
 # %% ../nbs/07a_runner.ipynb
 @dataclass
@@ -34,6 +35,14 @@ class RunnerOutput:
     sampled: list                # [S] index into `SchedulerOutput.scheduled` of each row of `logits`
     row_logits: dict = field(default_factory=dict)   # row index -> [n, vocab] logits of every position (rows with all_logits)
     pooled: dict = field(default_factory=dict)       # row index -> [hidden] fp32: this chunk's sum ("mean") or last state ("last")
+
+# %% ../nbs/07a_runner.ipynb
+def lazy_zeros(shape, dtype) -> torch.Tensor:
+    "A CPU tensor of zeros whose pages become resident only when first written (an anonymous mapping, zero-filled by the kernel)."
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if n == 0: return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)     # the tensor keeps the mapping alive
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 # %% ../nbs/07a_runner.ipynb
 class ModelRunner:
@@ -57,10 +66,12 @@ class ModelRunner:
         if q8 and (kv_cache_dtype not in KV_CODES or self.device.type != "cpu"):
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: auto, or {' or '.join(KV_CODES)} on the CPU")
         cd = KV_CODES[kv_cache_dtype][0] if q8 else dt
-        self.kv_cache = torch.zeros(shape, dtype=cd, device=self.device)
+        # on the CPU the pools take memory as blocks are first written, not all at start (the default 512 MB pool was
+        # most of an idle server's RSS)
+        self.kv_cache = lazy_zeros(shape, cd) if self.device.type == "cpu" else torch.zeros(shape, dtype=cd, device=self.device)
         self.scratch_slot = num_blocks * block_size
-        self.cpu_cache = torch.zeros(shape[:2] + (num_cpu_blocks,) + shape[3:], dtype=cd,
-                                     pin_memory=self.device.type == "cuda")
+        cpu_shape = shape[:2] + (num_cpu_blocks,) + shape[3:]
+        self.cpu_cache = torch.zeros(cpu_shape, dtype=cd, pin_memory=True) if self.device.type == "cuda" else lazy_zeros(cpu_shape, cd)
         # every block move takes the scales with the codes: each pool beside its CPU twin
         self.pools = [(self.kv_cache, self.cpu_cache)]
         if q8:
