@@ -264,8 +264,9 @@ class W8A8Linear(Int8Linear):
         self.register_buffer("smooth", s)
         self.register_buffer("smooth_weight", q.t())       # [in, out]: the layout `_int_mm` takes, a view of the rows
         self.register_buffer("smooth_scales", scales)
-        # each column's sum times its scale: a row's zero point times it is that point's share of the product, taken off after
-        self.register_buffer("col_sums", q.sum(1, dtype=torch.int32).float() * scales.float())
+        # each column's sum times its scale: a row's zero point times it is that point's share of the product, taken off
+        # after; kept out of the buffers, which a model's cast to bf16 would round (the share is large, the result is not)
+        self.col_sums = q.sum(1, dtype=torch.int32).float() * scales.float()
         self.none = torch.empty(0)
         # a row is rounded onto all `levels` between its own min and max: without VNNI (AVX2, older AVX-512) 8-bit
         # multiply-adds sum u8 x s8 pairs in 16 bits and saturate, so there a row keeps 7 bits (0..127), which makes
