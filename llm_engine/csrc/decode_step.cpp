@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <cmath>
 #include <string>
@@ -29,8 +30,6 @@
 #define LLM_AVX2 1
 #endif
 
-
-#include <atomic>
 // Output channels [0, N) over the threads, each thread one contiguous range (one sequential stream of weights), taken in
 // chunks of `chunk` rows; a thread whose range is done takes chunks left in the others' ranges. A static split left
 // one of two threads spinning at the end of each matmul: TinyLlama-1.1B's q4 step on the EPYC, the worker spent 24% of

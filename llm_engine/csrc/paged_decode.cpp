@@ -149,10 +149,8 @@ static void scores_group(const float* q, int64_t D, const T* kk, int64_t kt, int
       }
     }
     for (int h = 0; h < NH; ++h) {
-      const __m128 r = _mm_mul_ps(J == 4 ? reduce4(acc[h][0], acc[h][1], acc[h][J - 2], acc[h][J - 1])
-                                         : reduce4(acc[h][0], acc[h][1], zero, zero), scv);
-      if constexpr (J == 4) _mm_storeu_ps(s + h * L + t, r);
-      else _mm_storel_pi((__m64*)(s + h * L + t), r);
+      if constexpr (J == 4) _mm_storeu_ps(s + h * L + t, _mm_mul_ps(reduce4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), scv));
+      else _mm_storel_pi((__m64*)(s + h * L + t), _mm_mul_ps(reduce4(acc[h][0], acc[h][1], zero, zero), scv));
     }
   }
   for (; t < n; ++t) {
