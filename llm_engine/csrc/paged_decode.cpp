@@ -95,15 +95,6 @@ static void values_group(const float* p, int64_t L, const T* vv, int64_t vt, int
   for (int h = 0; h < NH; ++h) for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + h * D + c * 16, acc[h][c]);
 }
 
-// heads h0..h1-1 of a sequence in runs that share a KV head, at most 16 / NC at a time (the registers they need)
-template <int NC, typename F>
-static void head_runs(int64_t h0, int64_t h1, int64_t G, F&& fn) {
-  constexpr int64_t most = 16 / NC;
-  for (int64_t h = h0; h < h1;) {
-    const int64_t e = std::min({h1, (h / G + 1) * G, h + most});
-    fn(h, e - h); h = e;
-  }
-}
 #define NH_SWITCH(nh, F, ...) switch (nh) { case 1: F<C, NC, 1>(__VA_ARGS__); break; case 2: F<C, NC, 2>(__VA_ARGS__); break; \
   case 3: if constexpr (NC <= 5) F<C, NC, 3>(__VA_ARGS__); break; case 4: if constexpr (NC <= 4) F<C, NC, 4>(__VA_ARGS__); break; }
 #endif
@@ -183,26 +174,31 @@ static void values_group(const float* p, int64_t L, const T* vv, int64_t vt, int
   }
 }
 
-template <int NC, typename F>
-static void head_runs(int64_t h0, int64_t h1, int64_t G, F&& fn) {
-  for (int64_t h = h0; h < h1;) {
-    const int64_t e = std::min({h1, (h / G + 1) * G, h + 4});
-    fn(h, e - h); h = e;
-  }
-}
 #define NH_SWITCH(nh, F, ...) switch (nh) { case 1: F<C, NC, 1>(__VA_ARGS__); break; case 2: F<C, NC, 2>(__VA_ARGS__); break; \
   case 3: F<C, NC, 3>(__VA_ARGS__); break; case 4: F<C, NC, 4>(__VA_ARGS__); break; }
 #endif
 
 #if defined(__AVX512F__)
 constexpr int VEC_LANES = 16;
+template <int NC> constexpr int64_t heads_at_once() { return 16 / NC; }    // the registers they need (32 of them)
 template <typename C, int DC> constexpr bool vector_path() { return DC == 64 || DC == 128; }
 #elif defined(LLM_AVX2)
 constexpr int VEC_LANES = 8;
+template <int NC> constexpr int64_t heads_at_once() { return 4; }          // 16 registers: see scores_group, values_group
 // not for an fp32 cache, which has nothing to widen: there the compiler's loops below ran faster than these (32 rows of
 // SmolLM2's or TinyLlama's heads, 100-250 keys: 0.94 and 1.91 ms a layer against 1.13 and 2.28), where they made a bf16
 // cache 1.2-1.5x faster, int8 1.4-2.0x and fp8 1.8-2.4x (`nbs/03`'s timing cell gives this machine's figures)
 template <typename C, int DC> constexpr bool vector_path() { return (DC == 64 || DC == 128) && !std::is_same_v<C, float>; }
+#endif
+#if defined(__AVX512F__) || defined(LLM_AVX2)
+// heads h0..h1-1 of a sequence in runs that share a KV head, at most heads_at_once<NC>() at a time
+template <int NC, typename F>
+static void head_runs(int64_t h0, int64_t h1, int64_t G, F&& fn) {
+  for (int64_t h = h0; h < h1;) {
+    const int64_t e = std::min({h1, (h / G + 1) * G, h + heads_at_once<NC>()});
+    fn(h, e - h); h = e;
+  }
+}
 #endif
 
 // one sequence's heads h0..h1-1: scores, softmax, weighted values. T: the query's and output's element type (float or
