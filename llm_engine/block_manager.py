@@ -19,7 +19,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: bytes|None = None        # set once the block is full and computed
-    token_ids: tuple|None = None   # the tokens it holds, once hashed: a cache hit is confirmed against them
+    token_ids: tuple|None = None   # its slots' tokens once hashed (full) or filed when freed (partly filled): hits check them
     parent: int = -1               # `content_id` of the block before it in its sequence (-1: the first block)
     content_id: int = -1           # a fresh number each time the block is hashed, so children can name their parent
 
@@ -56,13 +56,14 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids = OrderedDict.fromkeys(range(num_blocks))   # LRU order: reused from the front
         self.cached: dict[bytes, int] = {}                     # hash -> block id
+        self.children: dict[tuple, dict] = {}                  # (parent's content id, first token) -> {block id: None}
         self.tables: dict = {}                                 # seq id -> [block id] of its live blocks
         self.dropped: dict = {}                                # seq id -> leading blocks freed behind its window
         self.num_hashed: dict = {}                             # seq id -> leading blocks already hashed
         self.cpu_free = list(range(num_cpu_blocks))
         self.cpu_tables: dict = {}
         self.hit_tokens = self.queried_tokens = 0
-        self.ops, self._content_ids = BlockOps(), itertools.count()
+        self.ops, self._content_ids, self.pinned = BlockOps(), itertools.count(), []
 
     @property
     def num_free_blocks(self): return len(self.free_ids)
@@ -76,18 +77,30 @@ class BlockManager:
         d = self.dropped.get(seq_id, 0)
         return [0] * d + self.tables[seq_id] if d else self.tables[seq_id]
     def take_ops(self) -> BlockOps:
-        "The copies and swaps decided since the last call (the scheduler puts them in its output)."
+        "The copies and swaps decided since the last call (the scheduler puts them in its output); the blocks held for them are let go."
         ops, self.ops = self.ops, BlockOps()
+        for bid in self.pinned: self._release(bid)   # the next decisions come after the runner has done these
+        self.pinned = []
         return ops
 
-    def _take(self) -> int:
-        "A free block, the least recently freed first; its old cache entry is forgotten."
-        if not self.free_ids: raise NoFreeBlocks("no free KV block")
-        bid, _ = self.free_ids.popitem(last=False)
+    def _take(self, bid=None) -> int:
+        "A free block (`bid`, else the least recently freed); its old cache entry is forgotten."
+        if bid is None:
+            if not self.free_ids: raise NoFreeBlocks("no free KV block")
+            bid, _ = self.free_ids.popitem(last=False)
+        else: del self.free_ids[bid]
         b = self.blocks[bid]
         if b.hash is not None and self.cached.get(b.hash) == bid: del self.cached[b.hash]
+        if b.token_ids is not None: self._unfile(b)
         b.hash, b.token_ids, b.parent, b.content_id, b.ref_count = None, None, -1, -1, 1
         return bid
+
+    def _file(self, b):
+        "Make `b` findable by the block it follows and its first token (partial hits, below)."
+        if b.token_ids: self.children.setdefault((b.parent, b.token_ids[0]), {})[b.block_id] = None
+    def _unfile(self, b):
+        same = self.children[b.parent, b.token_ids[0]]; del same[b.block_id]
+        if not same: del self.children[b.parent, b.token_ids[0]]
 
     def _release(self, bid):
         b = self.blocks[bid]
@@ -96,7 +109,7 @@ class BlockManager:
         if b.ref_count == 0:
             self.free_ids[bid] = None
             # a block nobody can find again is worth nothing: reuse it before any cached one
-            if b.hash is None or self.cached.get(b.hash) != bid: self.free_ids.move_to_end(bid, last=False)
+            if b.token_ids is None: self.free_ids.move_to_end(bid, last=False)
 
 # %% ../nbs/04_block_manager.ipynb
 @patch
@@ -134,6 +147,9 @@ def allocate(self: BlockManager, seq_id, token_ids, use_cache=True, budget=None)
             if bid is None: break
             hit.append(bid); parent = self.blocks[bid].content_id
     hits = len(hit)
+    src, j = self._partial_hit(token_ids, hits, parent) if self.enable_prefix_caching and use_cache else (None, 0)
+    if src is not None and not self.blocks[src].ref_count and self.num_free_blocks <= self.blocks_for(len(token_ids)):
+        src, j = None, 0                 # holding a free block to copy from would leave the prompt one short
     first = self._window_start(hits * bs, hits) if self.sliding_window else 0   # hits behind the first query's window: not held
     for bid in hit[first:]:
         b = self.blocks[bid]
@@ -141,17 +157,48 @@ def allocate(self: BlockManager, seq_id, token_ids, use_cache=True, budget=None)
         b.ref_count += 1
     # a windowed sequence takes blocks chunk by chunk (append_slots), so a long prompt never holds more than its window's
     upto = len(token_ids) if not self.sliding_window or budget is None else min(len(token_ids), hits * bs + budget)
-    self.tables[seq_id] = hit[first:] + [self._take() for _ in range(self.blocks_for(upto) - hits)]
+    part = []                        # the block after the hits: a copy of one whose first j slots agree (below)
+    if src is not None:              # held (off the free list) until the copy is handed to the runner
+        if not self.blocks[src].ref_count: del self.free_ids[src]
+        self.blocks[src].ref_count += 1; self.pinned.append(src)
+        part = [self._take()]; self.ops.copy.append(BlockCopy(src, part[0]))
+    self.tables[seq_id] = hit[first:] + part + [self._take() for _ in range(self.blocks_for(upto) - hits - len(part))]
     self.num_hashed[seq_id] = hits
     if first: self.dropped[seq_id] = first
-    self.queried_tokens += len(token_ids); self.hit_tokens += hits * bs
-    return hits * bs
+    self.queried_tokens += len(token_ids); self.hit_tokens += hits * bs + j
+    return hits * bs + j
 
 @patch
-def free(self: BlockManager, seq_id):
-    "Return a sequence's blocks; computed full blocks stay findable in the prefix cache until reused."
+def free(self: BlockManager, seq_id, token_ids=None, num_computed=0):
+    "Return a sequence's blocks; computed full blocks stay findable in the prefix cache until reused, and so does its partly filled last one if `token_ids` are given."
+    if token_ids is not None: self._keep_tail(seq_id, token_ids, num_computed)
     for bid in reversed(self.tables.pop(seq_id)): self._release(bid)
     self.num_hashed.pop(seq_id, None); self.dropped.pop(seq_id, None)
+
+# %% ../nbs/04_block_manager.ipynb
+@patch
+def _keep_tail(self: BlockManager, seq_id, token_ids, num_computed):
+    "File the sequence's partly filled last computed block under the block before it, for partial hits."
+    bs, t = self.block_size, self.tables[seq_id]
+    i, r = divmod(num_computed, bs)
+    if not r or self.sliding_window or not self.enable_prefix_caching or i >= len(t) or self.num_hashed[seq_id] < i: return
+    b, prev = self.blocks[t[i]], self.blocks[t[i - 1]] if i else None
+    if b.ref_count > 1 or (prev is not None and prev.content_id < 0): return   # shared, or nothing names its prefix
+    b.token_ids, b.parent = tuple(token_ids[i * bs:num_computed]), prev.content_id if prev else -1
+    self._file(b)
+
+@patch
+def _partial_hit(self: BlockManager, token_ids, hits, parent) -> tuple:
+    "The block after content `parent` whose first tokens agree longest with the prompt's block `hits`: (its id or None, how many agree)."
+    s = hits * self.block_size
+    room = len(token_ids) - 1 - s      # the prompt's last token is always computed: its logits are wanted
+    if self.sliding_window or room <= 0: return None, 0
+    best, most = None, 0
+    for bid in self.children.get((parent, token_ids[s]), ()):
+        have = self.blocks[bid].token_ids
+        j = next((k for k, (a, b) in enumerate(zip(have, token_ids[s:s + room])) if a != b), min(len(have), room))
+        if j > most: best, most = bid, j
+    return best, most
 
 # %% ../nbs/04_block_manager.ipynb
 @patch
@@ -195,8 +242,9 @@ def cache_full_blocks(self: BlockManager, seq_id, token_ids, num_computed):
     for i in range(start, num_computed // bs):
         b, toks = self.blocks[t[i - d]], tuple(token_ids[i*bs:(i+1)*bs])
         h = chain_hash(toks, h)
+        if b.token_ids is not None: self._unfile(b)
         b.hash, b.token_ids, b.parent, b.content_id = h, toks, parent, next(self._content_ids)
-        parent = b.content_id
+        parent = b.content_id; self._file(b)
         self.cached.setdefault(h, b.block_id)   # an equal block computed elsewhere keeps its entry
     self.num_hashed[seq_id] = max(start, num_computed // bs)
 
@@ -274,10 +322,16 @@ def check_invariants(self: BlockManager):
     holders = [0] * self.num_blocks
     for t in self.tables.values():
         for bid in t: holders[bid] += 1
+    for bid in self.pinned: holders[bid] += 1
     for b in self.blocks:
         assert b.ref_count == holders[b.block_id], f"block {b.block_id}: ref_count {b.ref_count} but held by {holders[b.block_id]} tables"
         assert (b.ref_count == 0) == (b.block_id in self.free_ids), f"block {b.block_id}: free-list state disagrees with ref_count {b.ref_count}"
     for h, bid in self.cached.items(): assert self.blocks[bid].hash == h, f"cache entry for block {bid} is stale"
+    filed = [(key, bid) for key, same in self.children.items() for bid in same]
+    for key, bid in filed:
+        b = self.blocks[bid]
+        assert b.token_ids and (b.parent, b.token_ids[0]) == key, f"partial-hit entry for block {bid} is stale"
+    assert len(filed) == sum(b.token_ids is not None for b in self.blocks), "a block is filed twice or not at all"
     assert set(self.dropped) <= set(self.tables) | set(self.cpu_tables), "freed-window record of an unknown sequence"
     cpu_used = [c for t in self.cpu_tables.values() for c in t]
     assert sorted(cpu_used + self.cpu_free) == list(range(self.num_cpu_blocks)), "CPU blocks lost or doubled"

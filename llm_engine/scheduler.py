@@ -137,7 +137,7 @@ def _preempt(self: Scheduler, out: SchedulerOutput, seq: Sequence, why: str):
         self._decide(out, seq, "swapped_out", f"preempted: {why}; its {n} blocks swapped out to CPU")
     else:
         self._decide(out, seq, "recomputed", f"preempted: {why}; its {seq.num_computed} computed tokens will be recomputed")
-        self.bm.free(seq.seq_id); seq.num_computed = 0; self.add(seq)
+        self.bm.free(seq.seq_id, seq.token_ids, seq.num_computed); seq.num_computed = 0; self.add(seq)
 
 @patch
 def _add_row(self: Scheduler, out: SchedulerOutput, seq: Sequence, n: int, action=None, note="", spec=()):
@@ -304,7 +304,7 @@ def update(self: Scheduler, out: SchedulerOutput) -> list[Sequence]:
 def finish(self: Scheduler, seq: Sequence, reason: str):
     "Stop a sequence wherever it is and free its blocks."
     if seq.is_finished: return
-    if seq.status == SeqStatus.RUNNING: self.running.remove(seq); self.bm.free(seq.seq_id)
+    if seq.status == SeqStatus.RUNNING: self.running.remove(seq); self.bm.free(seq.seq_id, seq.token_ids, seq.num_computed)
     elif seq.status == SeqStatus.SWAPPED: self.swapped.remove(seq); self.bm.drop_swapped(seq.seq_id)
     elif seq.status == SeqStatus.WAITING: self._take_waiting(seq)
     seq.status, seq.finish_reason = SeqStatus.FINISHED, reason

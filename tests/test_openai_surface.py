@@ -49,18 +49,27 @@ def test_non_streaming_disconnect_aborts(server):
     s = settle(server.base, timeout=10)
     assert s["requests_running"] == 0 and s["kv_blocks_used"] == 0 and time.time() - t < 10
 
+# equal, floats within `tol`: the second of two equal requests reads the first's K/V from the prefix cache and computes
+# only the prompt's last token, with another matmul width than the first's prefill (another rounding order)
+def _close(a, b, tol=1e-4):
+    if isinstance(a, float) and isinstance(b, float): return abs(a - b) <= tol
+    if isinstance(a, dict) and isinstance(b, dict): return a.keys() == b.keys() and all(_close(a[k], b[k], tol) for k in a)
+    if isinstance(a, list) and isinstance(b, list): return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
+    return a == b
+
 def test_streamed_logprobs_equal_non_streamed(client, server):
     mid = client.models.list().data[0].id
     kw = dict(model=mid, prompt="The capital of France is", max_tokens=10, temperature=0, logprobs=2)
     full = client.completions.create(**kw).choices[0].logprobs
     parts = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw) if c.choices and c.choices[0].logprobs]
-    for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-        assert sum((getattr(p, k) for p in parts), []) == getattr(full, k), k
+    for k in ("tokens", "text_offset"): assert sum((getattr(p, k) for p in parts), []) == getattr(full, k), k
+    for k in ("token_logprobs", "top_logprobs"): assert _close(sum((getattr(p, k) for p in parts), []), getattr(full, k)), k
     ckw = dict(model=mid, messages=MSG, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2)
     cfull = client.chat.completions.create(**ckw).choices[0].logprobs.content
     cparts = [t for c in client.chat.completions.create(stream=True, **ckw) if c.choices and c.choices[0].logprobs
               for t in c.choices[0].logprobs.content]
-    assert [t.model_dump() for t in cparts] == [t.model_dump() for t in cfull] and len(cfull) >= 3
+    assert [t.token for t in cparts] == [t.token for t in cfull] and len(cfull) >= 3
+    assert _close([t.model_dump() for t in cparts], [t.model_dump() for t in cfull])
 
 def test_token_id_prompts(client, small):
     mid = "tiny"
