@@ -83,12 +83,10 @@ class BlockManager:
         self.pinned = []
         return ops
 
-    def _take(self, bid=None) -> int:
-        "A free block (`bid`, else the least recently freed); its old cache entry is forgotten."
-        if bid is None:
-            if not self.free_ids: raise NoFreeBlocks("no free KV block")
-            bid, _ = self.free_ids.popitem(last=False)
-        else: del self.free_ids[bid]
+    def _take(self) -> int:
+        "A free block, the least recently freed first; its old cache entries are forgotten."
+        if not self.free_ids: raise NoFreeBlocks("no free KV block")
+        bid, _ = self.free_ids.popitem(last=False)
         b = self.blocks[bid]
         if b.hash is not None and self.cached.get(b.hash) == bid: del self.cached[b.hash]
         if b.token_ids is not None: self._unfile(b)
@@ -97,7 +95,7 @@ class BlockManager:
 
     def _file(self, b):
         "Make `b` findable by the block it follows and its first token (partial hits, below)."
-        if b.token_ids: self.children.setdefault((b.parent, b.token_ids[0]), {})[b.block_id] = None
+        self.children.setdefault((b.parent, b.token_ids[0]), {})[b.block_id] = None
     def _unfile(self, b):
         same = self.children[b.parent, b.token_ids[0]]; del same[b.block_id]
         if not same: del self.children[b.parent, b.token_ids[0]]
