@@ -195,17 +195,19 @@ static void block_avx2(const float* x, int64_t M, int64_t K, const W* w, const f
 template <typename W> struct PairWeights;
 template <> struct PairWeights<at::BFloat16> {
   static constexpr float unit = 1.f;
+  static constexpr int rows = 5;        // rows of x a pass: 10 accumulators, two weights, one x, the zero (at 6 it spilled)
   static __m256i load(const at::BFloat16* p) { return _mm256_loadu_si256((const __m256i*)p); }
   static __m256 half(__m256i v, int h) { const __m256i z = _mm256_setzero_si256(); return _mm256_castsi256_ps(h ? _mm256_unpackhi_epi16(z, v) : _mm256_unpacklo_epi16(z, v)); }
 };
 template <> struct PairWeights<int8_t> {
   static constexpr float unit = 1.f / 65536.f;
+  static constexpr int rows = 4;        // its two rows' 16-bit words stay in registers across both halves: at 5 rows it spilled
   static __m256i load(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)); }
   static __m256 half(__m256i v, int h) { const __m256i z = _mm256_setzero_si256(); return _mm256_cvtepi32_ps(h ? _mm256_unpackhi_epi16(z, v) : _mm256_unpacklo_epi16(z, v)); }
 };
 constexpr int PAIR_MIN_ROWS = 4;            // rows from which the pair kernel runs (below: row_avx2, bandwidth-bound)
 constexpr int64_t PAIR_N_BLOCK = 64;        // weight rows kept in L2 while every group of x rows passes over them
-constexpr int64_t PAIR_K_BLOCK = 2048;      // and columns: four rows of x, 32 KB, stay in L1
+constexpr int64_t PAIR_K_BLOCK = 1024;      // and columns: five rows of x, 20 KB, stay in L1
 static void perm_rows(const float* x, int64_t M, int64_t K, float* xp) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; k += 16) {
@@ -214,7 +216,7 @@ static void perm_rows(const float* x, int64_t M, int64_t K, float* xp) {
     }
 }
 
-template <typename W, int P, int R>     // P weight rows (1 or 2) by R rows of x (1-4): P * R accumulators, over k0 <= k < k1
+template <typename W, int P, int R>     // P weight rows (1 or 2) by R rows of x (1-5): P * R accumulators, over k0 <= k < k1
 static void pair_avx2(const float* xp, int64_t K, const W* w, const float* sc, float* y, int64_t N, int64_t k0, int64_t k1) {
   __m256 acc[P][R];
   for (int p = 0; p < P; ++p) for (int r = 0; r < R; ++r) acc[p][r] = _mm256_setzero_ps();
@@ -225,7 +227,10 @@ static void pair_avx2(const float* xp, int64_t K, const W* w, const float* sc, f
       __m256 wf[P];
       for (int p = 0; p < P; ++p) wf[p] = PairWeights<W>::half(wv[p], half);
       for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_loadu_ps(xp + r * K + k + 8 * half);
+        __m256 xv = _mm256_loadu_ps(xp + r * K + k + 8 * half);
+        // one load of x for both weight rows: left to itself the compiler folded it into each FMA, two loads per
+        // FMA pair, and the loads bound the loop (a 32-row step's matmuls were 1.4x slower)
+        __asm__("" : "+x"(xv));
         for (int p = 0; p < P; ++p) acc[p][r] = _mm256_fmadd_ps(wf[p], xv, acc[p][r]);
       }
     }
@@ -240,17 +245,23 @@ template <typename W>
 static void block_pairs_avx2(const float* xp, int64_t M, int64_t K, const W* w, const float* sc, float* y,
                              int64_t N, int64_t n0, int64_t n1) {
   using F = void (*)(const float*, int64_t, const W*, const float*, float*, int64_t, int64_t, int64_t);
-  static const F two[5] = {nullptr, pair_avx2<W, 2, 1>, pair_avx2<W, 2, 2>, pair_avx2<W, 2, 3>, pair_avx2<W, 2, 4>};
-  static const F one[5] = {nullptr, pair_avx2<W, 1, 1>, pair_avx2<W, 1, 2>, pair_avx2<W, 1, 3>, pair_avx2<W, 1, 4>};
+  static const F two[6] = {nullptr, pair_avx2<W, 2, 1>, pair_avx2<W, 2, 2>, pair_avx2<W, 2, 3>, pair_avx2<W, 2, 4>, pair_avx2<W, 2, 5>};
+  static const F one[6] = {nullptr, pair_avx2<W, 1, 1>, pair_avx2<W, 1, 2>, pair_avx2<W, 1, 3>, pair_avx2<W, 1, 4>, pair_avx2<W, 1, 5>};
+  // M rows in as few groups as the weight type's rows allow, of sizes as equal as can be (32 bf16: 5, 5, 5, 5, 4, 4, 4, not
+  // six 5s and a 2)
+  constexpr int64_t RW = PairWeights<W>::rows;
+  static_assert(RW <= 5, "two[] and one[] go to 5 rows");
+  const int64_t G = (M + RW - 1) / RW, base = M / G, extra = M % G;
   for (int64_t b = n0; b < n1; b += PAIR_N_BLOCK) {
     const int64_t e = std::min(n1, b + PAIR_N_BLOCK);
     for (int64_t k0 = 0; k0 < K; k0 += PAIR_K_BLOCK) {
       const int64_t k1 = std::min(K, k0 + PAIR_K_BLOCK);
-      for (int64_t m = 0; m < M; m += RB) {
-        const int r = (int)std::min<int64_t>(RB, M - m);
+      for (int64_t g = 0, m = 0; g < G; ++g) {
+        const int r = (int)(base + (g < extra));
         int64_t n = b;
         for (; n + 2 <= e; n += 2) two[r](xp + m * K, K, w + n * K, sc ? sc + n : nullptr, y + m * N + n, N, k0, k1);
         if (n < e) one[r](xp + m * K, K, w + n * K, sc ? sc + n : nullptr, y + m * N + n, N, k0, k1);
+        m += r;
       }
     }
   }
