@@ -186,7 +186,7 @@ static void block_avx2(const float* x, int64_t M, int64_t K, const W* w, const f
 
 #if defined(LLM_AVX2)
 // bf16 and int8 weights for more rows (AVX2 has no bf16 arithmetic, and a batch of 32 decode rows lands here):
-// widening a row with a shift costs one uop on the FMA ports for every FMA-sized load, and re-reading the four rows
+// widening a row with a shift costs one uop on the FMA ports for every FMA-sized load, and re-reading the rows
 // of x for every weight row leaves one load per FMA. Two weight rows at a time (each x load serves both) widened by
 // interleaving with zero (vpunpcklwd / vpunpckhwd: port 5 only) take both costs off the FMA ports. The interleave
 // yields weights 0-3 and 8-11 of 16 (then 4-7, 12-15), so x is copied once per call into that order
