@@ -2,7 +2,8 @@
 servers started at once on a fresh cache both come up, and a truncated or corrupt cached file is rebuilt, not served.
 
 The GGUF here is a small random Llama (f32 tensors) carrying the default model's tokenizer, so a conversion takes
-seconds; the servers use the torch attention path so a fresh cache does not compile the C++ kernel."""
+seconds; the servers use the torch attention path, and each test's cache links the real one's compiled kernels
+(`with_kernels`), so nothing here waits on a compiler."""
 import os, signal, subprocess, sys, tempfile, threading, time
 from pathlib import Path
 import httpx, pytest
@@ -51,6 +52,14 @@ def model_folders(cache: Path) -> list[Path]: return [p for p in cache.iterdir()
 
 SERVE = ["--num-blocks", "64", "--max-model-len", "256", "--attention-backend", "torch", "--log-level", "warning"]
 
+def with_kernels(cache: Path) -> Path:
+    "`cache`, made, with the real cache's compiled kernels linked in: these tests are about the model's files, and the two servers below each compiling the decode-step kernels on a fresh cache was most of their 4 minutes on 2 cores."
+    from llm_engine.config import cache_root
+    real = cache_root() / "kernels"
+    real.mkdir(parents=True, exist_ok=True); cache.mkdir(parents=True)
+    (cache / "kernels").symlink_to(real)
+    return cache
+
 def kill_during_conversion(gguf: Path, cache: Path, tries=4) -> Path:
     "Start a server on an empty cache and SIGKILL it while it writes its temporary folder; returns that folder."
     for _ in range(tries):
@@ -71,7 +80,7 @@ def completion(base):
     return r.status_code, r.json()
 
 def test_kill_during_conversion_then_two_simultaneous_starts(tiny_gguf, tmp_path):
-    cache = tmp_path / "cache"
+    cache = with_kernels(tmp_path / "cache")
     t0 = time.perf_counter()
     stale = kill_during_conversion(tiny_gguf, cache)
     assert stale.exists()                                     # the precondition: a writer died mid-conversion
@@ -98,7 +107,7 @@ def test_kill_during_conversion_then_two_simultaneous_starts(tiny_gguf, tmp_path
 def converted(tiny_gguf, tmp_path_factory):
     "A cache holding the tiny GGUF converted once (shared by the tests below)."
     from llm_engine.model import resolve_model
-    cache = tmp_path_factory.mktemp("cache")
+    cache = with_kernels(tmp_path_factory.mktemp("converted") / "cache")
     os.environ["LLM_ENGINE_CACHE"] = str(cache)
     try: return cache, resolve_model(tiny_gguf)
     finally: del os.environ["LLM_ENGINE_CACHE"]
