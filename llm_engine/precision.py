@@ -19,14 +19,14 @@ from .model import (Llama, ModelConfig, PackedLinear, SECOND_COPY_MAX_BYTES, emp
                               release_freed_memory, resolve_model, safetensors_header, second_copy_pays, warn_window_paths, _ST_DTYPES)
 
 # %% auto 0
-__all__ = ['STEP_KERNELS_SRC', 'NO_SCALES', 'WIDEN_CHUNK', 'QUANTIZE_CHUNK', 'Q4_GROUP', 'Q4_BYTES', 'Q4_SPAN', 'W8A8_ALPHA',
-           'CALIBRATION_CHAT', 'QUANTIZERS', 'FUSED_SWITCHES', 'HUGE_PAGE', 'AS_READ', 'CALIBRATE_AS_STORED',
-           'load_step_kernels', 'widen_buffer', 'WeightOnlyLinear', 'int8_rows', 'Int8Linear', 'Bf16Linear',
-           'quantize_q4', 'dequantize_q4', 'Q4Linear', 'forward_logits', 'calibration_ids', 'activation_ranges',
-           'W8A8Linear', 'Int8Embedding', 'quantize_linears', 'bound_dequantized_copies', 'replace_linears',
-           'FusedDecode', 'widen_bf16_linears', 'unfused_differences', 'PlainHead', 'fuse_decode', 'huge_page_buffer',
-           'weights_in_huge_pages', 'WidenedEmbedding', 'table_dtype', 'load_for_serving', 'Agreement',
-           'compare_logits', 'best_of', 'weight_bytes_per_token']
+__all__ = ['STEP_KERNELS_SRC', 'NO_SCALES', 'EVERY_BATCH', 'WIDEN_CHUNK', 'QUANTIZE_CHUNK', 'Q4_GROUP', 'Q4_BYTES', 'Q4_SPAN',
+           'W8A8_ALPHA', 'CALIBRATION_CHAT', 'QUANTIZERS', 'FUSED_SWITCHES', 'HUGE_PAGE', 'AS_READ',
+           'CALIBRATE_AS_STORED', 'load_step_kernels', 'widen_buffer', 'WeightOnlyLinear', 'int8_rows', 'Int8Linear',
+           'Bf16Linear', 'Bf16Embedding', 'quantize_q4', 'dequantize_q4', 'Q4Linear', 'forward_logits',
+           'calibration_ids', 'activation_ranges', 'W8A8Linear', 'Int8Embedding', 'quantize_linears',
+           'bound_dequantized_copies', 'replace_linears', 'FusedDecode', 'widen_bf16_linears', 'unfused_differences',
+           'PlainHead', 'fuse_decode', 'huge_page_buffer', 'weights_in_huge_pages', 'WidenedEmbedding', 'table_dtype',
+           'load_for_serving', 'Agreement', 'compare_logits', 'best_of', 'weight_bytes_per_token']
 
 # %% ../nbs/05b_precision.ipynb
 STEP_KERNELS_SRC = (Path(llm_engine.__file__).parent / "csrc" / "decode_step.cpp").read_text()
@@ -43,6 +43,7 @@ def widen_buffer(n: int, dtype=torch.float32) -> torch.Tensor:
     return _WIDE[dtype][:n]
 
 NO_SCALES = torch.empty(0)
+EVERY_BATCH = 1 << 62      # a row bound no batch reaches: our kernel takes them all
 # weights widened at a time for a large batch: a 1.1B model's gate/up matrix is 23M weights (92 MB in fp32, 46 in
 # bf16); a block of rows at a time keeps the buffer at 16 or 8 MB whatever the model
 WIDEN_CHUNK = 1 << 22
@@ -132,17 +133,35 @@ class Int8Linear(WeightOnlyLinear):
         return out.copy_(w).mul_(s.to(out.dtype)[:, None])
 
 class Bf16Linear(WeightOnlyLinear):
-    "bf16 weights on a CPU without bf16 arithmetic (AVX2): widened to fp32 in our kernel up to `small_batch` rows, per call for more."
-    # from 4 rows our kernel takes two weight rows at a time (csrc: pair_avx2): at 16-64 rows 146-175 GFLOP/s on
-    # TinyLlama-1.1B's three shapes under the AVX2 override, against 72-144 for MKL's AVX2 fp32 matmul on the weight
-    # widened per call; even at 128 rows (157-166 for both); at 256 and more MKL's wins (176-199 against 144-170)
+    "bf16 weights on a CPU without bf16 arithmetic (AVX2), widened to fp32 in our kernel: held as its panels (csrc) where it takes them."
+    # in panels (16 output rows side by side for each k, the kernel's outer products) our AVX2 kernel takes every batch:
+    # one core, weights cold, 79 GFLOP/s at 32 rows and 92 at 512, where rows two at a time gave 44-52 at 32 and MKL's
+    # fp32 matmul on the weight widened per call was no faster at 512. Without panels (a row count not a multiple of 16,
+    # or no vector path) rows two at a time up to `small_batch`, and the widened matmul past it
     small_batch = 128
     def __init__(self, lin: nn.Linear):
         super().__init__(lin)
-        self.register_buffer("weight", lin.weight.detach().to(torch.bfloat16))   # the same tensor when already bf16: a tied lm_head stays one copy
+        w = lin.weight.detach().to(torch.bfloat16)     # the same tensor when already bf16: a tied lm_head stays one copy
+        ops = torch.ops.llm_engine
+        self.panels = self.kernel and w.shape[0] % ops.panel_height() == 0
+        if self.panels and ops.panels_vectorized(): self.small_batch = EVERY_BATCH
+        # packed from the plain weight, which is then freed (a tied table's lookups move to the head: `Bf16Embedding`)
+        self.register_buffer("weight", ops.pack_panels(w) if self.panels else w)
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        "Rows `ids` of the weight `[out, in]`, in bf16, whichever layout holds it."
+        return torch.ops.llm_engine.panel_rows(self.weight, ids) if self.panels else self.weight[ids]
     def few_rows(self, x2): return torch.ops.llm_engine.int8_linear(x2, self.weight, NO_SCALES) if self.kernel else None
-    def dequantized(self): return self.weight.float()
-    def dequantize_into(self, out, row=0): return out.copy_(self.weight[row:row + out.shape[0]])
+    def dequantized(self): return self.rows(torch.arange(self.out_features)).float()
+    def dequantize_into(self, out, row=0): return out.copy_(self.rows(torch.arange(row, row + out.shape[0])))
+
+class Bf16Embedding(nn.Module):
+    "Token lookup in a tied model's bf16 output head held as panels: the table is held once, a token's row gathered when read."
+    def __init__(self, head: Bf16Linear):
+        super().__init__()
+        assert head.panels, "a plain bf16 head is the table itself: nothing to wrap"
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.register_buffer("weight", head.weight)      # the head's panels themselves, not a copy
+    def forward(self, ids): return torch.ops.llm_engine.panel_rows(self.weight, ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
 
 
 # %% ../nbs/05b_precision.ipynb
@@ -370,8 +389,10 @@ class FusedDecode:
         self.columns = [list(c) for c in zip(*[(f32(l.input_layernorm.weight), f32(l.post_attention_layernorm.weight), bias(l.self_attn.qkv_proj),
                                                 *([t for q in self._lins(l) for t in plain(q)] if one_call else [])) for l in model.layers])]
         self.quantized = isinstance(model.layers[0].self_attn.qkv_proj, WeightOnlyLinear)
-        # rows up to which the one-call layer wins (measured below)
-        self.max_rows = 0 if not one_call else WeightOnlyLinear.small_batch if self.quantized else self.BF16_ROWS
+        # rows up to which the one-call layer wins (measured below); bf16 panels (AVX2's default) at every decode step's
+        # size: SmolLM2 on the EPYC, 32 rows 80.4 -> 71.5 ms a step against nine calls past 24, 64 rows 152.7 -> 145.0
+        panels = all(getattr(q, "panels", False) for l in model.layers for q in self._lins(l)) and torch.ops.llm_engine.panels_vectorized()
+        self.max_rows = 0 if not one_call else EVERY_BATCH if panels else WeightOnlyLinear.small_batch if self.quantized else self.BF16_ROWS
         self.rebind(model)
     BF16_ROWS = 3      # rows up to which our kernel on bf16 weights beats oneDNN's bf16 matmul
     @staticmethod
@@ -415,7 +436,12 @@ class FusedDecode:
 def widen_bf16_linears(model: nn.Module) -> nn.Module:
     "On a CPU without bf16 arithmetic, every bf16 `nn.Linear` becomes a `Bf16Linear` (our kernels widen its weights)."
     if CPU_ISA.bf16 or load_step_kernels() is not None: return model
-    return replace_linears(model, lambda lin, name: Bf16Linear(lin) if lin.weight.dtype == torch.bfloat16 and lin.weight.device.type == "cpu" else lin)
+    emb, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+    tied = type(head) is nn.Linear and emb is not None and head.weight is emb.weight
+    replace_linears(model, lambda lin, name: Bf16Linear(lin) if lin.weight.dtype == torch.bfloat16 and lin.weight.device.type == "cpu" else lin)
+    # a tied head in panels: lookups read its rows from them (the plain table beside it was a second copy, 57 MB on SmolLM2)
+    if tied and isinstance(model.lm_head, Bf16Linear) and model.lm_head.panels: model.embed_tokens = Bf16Embedding(model.lm_head)
+    return model
 
 # differences from Llama's layer that the fused step takes as well: q/k/v biases are one add before RoPE
 FUSED_SWITCHES = ("attention_bias",)

@@ -317,11 +317,150 @@ static void matmul_into(const float* xp, int64_t M, int64_t K, const W* wp, cons
   });
 }
 
+// ---- bf16 weights in panels, where the CPU has no bf16 arithmetic (AVX2): the weight [N, K] held as [N / 16, K, 16],
+// for each k the weights of 16 output rows side by side. The kernels above take the dot product of a weight row with rows
+// of x: each FMA needs a vector of x loaded and a widened weight, and they ran at half of the FMA peak. Here R rows of x
+// meet a panel as outer products: for each k, one 32-byte load of 16 weights, widened into two fp32 vectors by
+// unpacking under zero, and R values of x broadcast, 2R FMAs whose accumulators hold the R x 16 outputs all along k.
+// Standalone on the EPYC (Zen 3), one core, weights cold: 79 GFLOP/s at 32 rows (the pair kernel: 44-52), 92 at 512
+// (MKL's fp32 matmul on the weight widened per call is no better there, so panels take every batch), ~11-12 GB/s at
+// one row, as the row kernel. The layout is written at load (pack_panels) and read by every reader of the weight
+// (panel_rows: a tied table's lookups and the dequantized weight); one copy of the weights.
+constexpr int PANEL = 16;
+// where each of a panel's 16 rows sits among its 16 weights of one k: vpunpcklwd / vpunpckhwd work within each 128-bit
+// half, so the low words of both halves (slots 0-3, 8-11) widen to rows 0-7 and the high ones to rows 8-15
+static constexpr int PANEL_SLOT[PANEL] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+constexpr int64_t PANEL_BLOCK = 4;      // panels kept in L2 while every group of rows passes over them
+static int64_t out_rows(const at::Tensor& w) { return w.dim() == 3 ? w.size(0) * PANEL : w.size(0); }
+
+static void panels_generic(const float* x, int64_t M, int64_t K, const at::BFloat16* w, float* y, int64_t N, int64_t p0, int64_t p1) {
+  float acc[PANEL];
+  for (int64_t p = p0; p < p1; ++p)
+    for (int64_t m = 0; m < M; ++m) {
+      const at::BFloat16* pw = w + p * K * PANEL;
+      for (int q = 0; q < PANEL; ++q) acc[q] = 0.f;
+      for (int64_t k = 0; k < K; ++k) for (int q = 0; q < PANEL; ++q) acc[q] += x[m * K + k] * static_cast<float>(pw[k * PANEL + q]);
+      for (int r = 0; r < PANEL; ++r) y[m * N + p * PANEL + r] = acc[PANEL_SLOT[r]];
+    }
+}
+
+#if defined(__AVX512F__) || defined(LLM_AVX2)
+// R rows of x (1-6) by one panel: 2 R U accumulators, U chains over k where R is too small to hide the FMA's latency;
+// with at most 3 rows the step is bound by reading weights and asks for them ahead (WEIGHT_PREFETCH, above)
+template <int R, int U>
+static void panel_avx2(const float* x, int64_t K, const at::BFloat16* pw, float* y, int64_t N) {
+  __m256 acc[U][R][2];
+#pragma GCC unroll 4
+  for (int u = 0; u < U; ++u)
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) acc[u][r][0] = acc[u][r][1] = _mm256_setzero_ps();
+  const __m256i z = _mm256_setzero_si256();
+  // the widened weights of k, multiplied into chain u (without the unroll pragmas GCC kept the accumulators on the
+  // stack, stored every iteration)
+#define LLM_PANEL_K(k, u) { \
+    const __m256i wv = _mm256_loadu_si256((const __m256i*)(pw + PANEL * (k))); \
+    const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, wv)), w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, wv)); \
+    _Pragma("GCC unroll 6") for (int r = 0; r < R; ++r) { \
+      const __m256 xb = _mm256_broadcast_ss(x + r * K + (k)); \
+      acc[u][r][0] = _mm256_fmadd_ps(w0, xb, acc[u][r][0]); \
+      acc[u][r][1] = _mm256_fmadd_ps(w1, xb, acc[u][r][1]); } }
+  int64_t k = 0;
+  for (; k + U <= K; k += U) {
+    if constexpr (R <= 3) for (int l = 0; l < U * PANEL * 2 / 64; ++l) _mm_prefetch((const char*)(pw + PANEL * k) + 64 * l + WEIGHT_PREFETCH, _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) LLM_PANEL_K(k + u, u)
+  }
+  for (; k < K; ++k) LLM_PANEL_K(k, 0)
+#undef LLM_PANEL_K
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int u = 1; u < U; ++u) { acc[0][r][0] = _mm256_add_ps(acc[0][r][0], acc[u][r][0]); acc[0][r][1] = _mm256_add_ps(acc[0][r][1], acc[u][r][1]); }
+    _mm256_storeu_ps(y + r * N, acc[0][r][0]);
+    _mm256_storeu_ps(y + r * N + 8, acc[0][r][1]);
+  }
+}
+
+static void panels_avx2(const float* x, int64_t M, int64_t K, const at::BFloat16* w, float* y, int64_t N, int64_t p0, int64_t p1) {
+  using F = void (*)(const float*, int64_t, const at::BFloat16*, float*, int64_t);
+  static const F f[7] = {nullptr, panel_avx2<1, 4>, panel_avx2<2, 2>, panel_avx2<3, 2>, panel_avx2<4, 1>, panel_avx2<5, 1>, panel_avx2<6, 1>};
+  // M rows in groups of at most 6 (12 accumulators), of sizes as equal as can be
+  const int64_t G = (M + 5) / 6, base = M / G, extra = M % G;
+  for (int64_t b = p0; b < p1; b += PANEL_BLOCK)
+    for (int64_t g = 0, m = 0; g < G; ++g) {
+      const int r = (int)(base + (g < extra));
+      for (int64_t p = b; p < std::min(p1, b + PANEL_BLOCK); ++p) f[r](x + m * K, K, w + p * K * PANEL, y + m * N + p * PANEL, N);
+      m += r;
+    }
+}
+#endif
+
+static bool has_panel_path() {
+#if defined(__AVX512F__) || defined(LLM_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
+static void matmul_panels(const float* xp, int64_t M, int64_t K, const at::BFloat16* wp, float* yp, int64_t N, bool generic) {
+  balanced_for(N / PANEL, 2, [&](int64_t p0, int64_t p1) {
+#if defined(__AVX512F__) || defined(LLM_AVX2)
+    if (!generic) { panels_avx2(xp, M, K, wp, yp, N, p0, p1); return; }
+#endif
+    panels_generic(xp, M, K, wp, yp, N, p0, p1);
+  });
+}
+
+// w [N, K] bf16 -> its panels [N / 16, K, 16] (N a multiple of 16)
+at::Tensor pack_panels(const at::Tensor& w_) {
+  TORCH_CHECK(w_.dim() == 2 && w_.scalar_type() == at::kBFloat16 && w_.size(0) % PANEL == 0, "pack_panels: bf16 [N, K], N a multiple of 16");
+  const at::Tensor w = w_.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  at::Tensor out = at::empty({N / PANEL, K, PANEL}, w.options());
+  const uint16_t* src = (const uint16_t*)w.data_ptr<at::BFloat16>(); uint16_t* dst = (uint16_t*)out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, N / PANEL, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int r = 0; r < PANEL; ++r) {
+        const uint16_t* row = src + (p * PANEL + r) * K; uint16_t* d = dst + p * K * PANEL + PANEL_SLOT[r];
+        for (int64_t k = 0; k < K; ++k) d[k * PANEL] = row[k];
+      }
+  });
+  return out;
+}
+
+// rows `ids` of the weight a panel tensor holds, [len(ids), K] bf16: a tied table's lookups, and the weight de-packed
+at::Tensor panel_rows(const at::Tensor& p_, const at::Tensor& ids_) {
+  TORCH_CHECK(p_.dim() == 3 && p_.size(2) == PANEL && p_.scalar_type() == at::kBFloat16, "panel_rows: bf16 panels [N / 16, K, 16]");
+  const at::Tensor p = p_.contiguous(), ids = ids_.to(at::kLong).contiguous();
+  const int64_t K = p.size(1), N = p.size(0) * PANEL, n = ids.numel();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "panel_rows: row ", ip[i], " out of range for ", N, " rows");
+  at::Tensor out = at::empty({n, K}, p.options());
+  const uint16_t* src = (const uint16_t*)p.data_ptr<at::BFloat16>(); uint16_t* dst = (uint16_t*)out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint16_t* s = src + ip[i] / PANEL * K * PANEL + PANEL_SLOT[ip[i] % PANEL];
+      for (int64_t k = 0; k < K; ++k) dst[i * K + k] = s[k * PANEL];
+    }
+  });
+  return out;
+}
+
 // x [M, K] fp32 or bf16, w [N, K] int8 with scales [N], or bf16 / fp32 with no scales -> [M, N] in x's dtype (the
 // arithmetic is fp32). generic: use the portable loop even where a vector path is compiled in
 at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& w_, const at::Tensor& scales_, bool generic) {
-  TORCH_CHECK(x_.dim() == 2 && w_.dim() == 2 && x_.size(1) == w_.size(1), "int8_linear: x [M, K] and w [N, K] must share K");
   const auto wt = w_.scalar_type();
+  if (w_.dim() == 3) {      // bf16 panels [N / 16, K, 16]
+    TORCH_CHECK(x_.dim() == 2 && w_.size(2) == PANEL && wt == at::kBFloat16 && x_.size(1) == w_.size(1) && !scales_.numel(),
+                "int8_linear: panels are bf16 [N / 16, K, 16] without scales, and x [M, K] shares their K");
+    const at::Tensor x = x_.to(at::kFloat).contiguous(), w = w_.contiguous();
+    const int64_t M = x.size(0), K = x.size(1), N = out_rows(w);
+    at::Tensor y = at::empty({M, N}, x.options());
+    matmul_panels(x.data_ptr<float>(), M, K, w.data_ptr<at::BFloat16>(), y.data_ptr<float>(), N, generic || !has_panel_path());
+    return x_.scalar_type() == at::kFloat ? y : y.to(x_.scalar_type());
+  }
+  TORCH_CHECK(x_.dim() == 2 && w_.dim() == 2 && x_.size(1) == w_.size(1), "int8_linear: x [M, K] and w [N, K] must share K");
   TORCH_CHECK(wt == at::kChar || wt == at::kBFloat16 || wt == at::kFloat, "int8_linear: w must be int8, bf16 or fp32");
   TORCH_CHECK(wt == at::kChar ? scales_.numel() == w_.size(0) : scales_.numel() == 0, "int8_linear: one scale per output channel for int8, none otherwise");
   const at::Tensor x = x_.to(at::kFloat).contiguous(), w = w_.contiguous(), sc = scales_.to(at::kFloat).contiguous();
@@ -636,7 +775,11 @@ static const float* f32(const at::Tensor& t, const char* what) {
 // or bf16 in oneDNN's packed layout (a model too big for a plain copy beside it): oneDNN's own matmul, on x rounded to
 // bf16 as the layer loop rounds it, called through the dispatcher (a few us, where a call from Python costs some 15)
 static void mm(const float* x, int64_t M, int64_t K, const at::Tensor& w, const at::Tensor& s, float* y) {
-  const int64_t N = w.size(0);
+  const int64_t N = out_rows(w);
+  if (w.dim() == 3) {
+    TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kBFloat16 && w.size(1) == K && w.size(2) == PANEL, "decode_layer: panels bf16 [N / 16, K, 16], contiguous");
+    return matmul_panels(x, M, K, w.data_ptr<at::BFloat16>(), y, N, !has_panel_path());
+  }
   if (w.is_mkldnn()) {
     static const auto packed = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
     TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(1) == K, "decode_layer: packed weights are oneDNN's bf16 [N, K]");
@@ -676,9 +819,9 @@ static std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& cos, const at::Tensor& sin, int64_t nh, int64_t nkv, at::Tensor k_cache, at::Tensor v_cache,
     const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   const auto T = x_.scalar_type();
-  const int64_t M = x_.size(0), H = x_.size(1), D = k_cache.size(3), Q = nh * D, KV = nkv * D, I = wgu.size(0) / 2;
+  const int64_t M = x_.size(0), H = x_.size(1), D = k_cache.size(3), Q = nh * D, KV = nkv * D, I = out_rows(wgu) / 2;
   TORCH_CHECK(T == at::kFloat || T == at::kBFloat16, "decode_layer: fp32 or bf16 activations");
-  TORCH_CHECK(wqkv.size(0) == Q + 2 * KV && wo.size(0) == H && wd.size(0) == H, "decode_layer: weight shapes");
+  TORCH_CHECK(out_rows(wqkv) == Q + 2 * KV && out_rows(wo) == H && out_rows(wd) == H, "decode_layer: weight shapes");
   TORCH_CHECK(!bqkv.numel() || bqkv.numel() == Q + 2 * KV, "decode_layer: the qkv bias is empty or one per output");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == T && v_cache.scalar_type() == T &&
               k_cache.size(2) == nkv, "decode_layer: contiguous caches [blocks, block_size, kv_heads, D] in the activations' dtype");
@@ -897,12 +1040,18 @@ at::Tensor argmax_rows(const at::Tensor& x_) {
 }
 
 bool int8_linear_vectorized() { return has_vector_path(); }
+bool panels_vectorized() { return has_panel_path(); }
+int64_t panel_height() { return PANEL; }
 std::string step_kernels_isa() { return kernel_isa(); }
 
 TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, bool generic=False) -> Tensor");
   m.def("int8_linear_vectorized() -> bool", &int8_linear_vectorized);
   m.def("step_kernels_isa() -> str", &step_kernels_isa);
+  m.def("panels_vectorized() -> bool", &panels_vectorized);
+  m.def("panel_height() -> int", &panel_height);
+  m.def("pack_panels(Tensor w) -> Tensor");
+  m.def("panel_rows(Tensor panels, Tensor ids) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor w, bool generic=False) -> Tensor");
   m.def("q4_dequantize(Tensor w, Tensor(a!) out) -> ()");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
@@ -917,6 +1066,8 @@ TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
 }
 TORCH_LIBRARY_IMPL(llm_engine, CPU, m) {
   m.impl("int8_linear", int8_linear);
+  m.impl("pack_panels", pack_panels);
+  m.impl("panel_rows", panel_rows);
   m.impl("q4_linear", q4_linear);
   m.impl("q4_dequantize", q4_dequantize);
   m.impl("decode_layers", decode_layers);
