@@ -477,9 +477,12 @@ def our_notes() -> dict:
         q4=f"{q4}; one C++ call per layer at 1-{one} rows, dequantized bf16 beyond", w8a8=w8a8)
     # no bf16 arithmetic (AVX2): every weight is widened to fp32 in registers, or per call for large batches
     wide = "an fp32 matmul on weights widened per call beyond"
+    from llm_engine.precision import load_step_kernels
+    panels = load_step_kernels() is None and torch.ops.llm_engine.panels_vectorized()
+    bf16 = "bf16 weights, activations and KV cache, fp32 arithmetic (no bf16 here): "
     return dict(
-        bf16=(f"bf16 weights, activations and KV cache, fp32 arithmetic (no bf16 here): one C++ call per layer at 1-{FusedDecode.BF16_ROWS} rows, "
-              f"our kernel to {Bf16Linear.small_batch} rows (two weight rows at a time from 4), {wide}"),
+        bf16=bf16 + ("weights in 16-row panels, our kernel's outer products at every batch size, one C++ call per layer at every decode step" if panels else
+                     f"one C++ call per layer at 1-{FusedDecode.BF16_ROWS} rows, our kernel to {Bf16Linear.small_batch} rows (two weight rows at a time from 4), {wide}"),
         int8=f"int8 weight-only, fp32 activations; one C++ call per layer at 1-{one} rows, our kernel to {Int8Linear.small_batch} rows, {wide}",
         q4=f"{q4}; one C++ call per layer at 1-{one} rows, our kernel to {Q4Linear.small_batch}-32 rows (32 from 2,048 inputs), {wide}",
         w8a8=w8a8)
