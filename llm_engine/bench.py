@@ -483,7 +483,8 @@ def our_notes() -> dict:
     return dict(
         bf16=bf16 + ("weights in 16-row panels, our kernel's outer products at every batch size, one C++ call per layer at every decode step" if panels else
                      f"one C++ call per layer at 1-{FusedDecode.BF16_ROWS} rows, our kernel to {Bf16Linear.small_batch} rows (two weight rows at a time from 4), {wide}"),
-        int8=f"int8 weight-only, fp32 activations; one C++ call per layer at 1-{one} rows, our kernel to {Int8Linear.small_batch} rows, {wide}",
+        int8=("int8 weight-only, fp32 activations; " + ("weights in 16-row panels, our kernel's outer products at every batch size, one C++ call per layer at every decode step" if panels else
+                                                          f"one C++ call per layer at 1-{one} rows, our kernel to {Int8Linear.small_batch} rows, {wide}")),
         q4=f"{q4}; one C++ call per layer at 1-{one} rows, our kernel to {Q4Linear.small_batch}-32 rows (32 from 2,048 inputs), {wide}",
         w8a8=w8a8)
 

@@ -64,6 +64,11 @@ class WeightOnlyLinear(nn.Module):
         self.register_buffer("bias", None if lin.bias is None else lin.bias.detach().clone())
         self.kernel = load_step_kernels() is None    # compiled once per machine
         self.packed = None                           # the dequantized bf16 weight for large batches, made on first use
+    panels = False     # held as panels (Int8Linear, Bf16Linear on AVX2): see csrc's note
+    def rows(self, ids) -> torch.Tensor:
+        "Rows `ids` (a tensor, or a slice: a view where the weight is held plain) of the stored weight `[out, in]`, whichever layout holds it."
+        if not self.panels: return self.weight[ids]
+        return torch.ops.llm_engine.panel_rows(self.weight, torch.arange(self.out_features)[ids] if isinstance(ids, slice) else ids)
     def few_rows(self, x2): "`x2 @ W.T` for a decode step's few rows, or None to take the large-batch path."
     def dequantized(self) -> torch.Tensor: "The fp32 weight `[out, in]` the stored one stands for."
     def dequantize_into(self, out: torch.Tensor, row: int = 0) -> torch.Tensor:
@@ -114,20 +119,25 @@ def int8_rows(w: torch.Tensor, chunk: int|None = None) -> tuple[torch.Tensor, to
 
 class Int8Linear(WeightOnlyLinear):
     "int8 weights with one scale per output channel (symmetric, from the fp32 weights)."
-    # AVX2: from 4 rows the same two-rows-at-a-time kernel as `Bf16Linear`'s (below), 107-137 GFLOP/s at 24-128 rows on
-    # TinyLlama-1.1B's shapes where the row kernel gave 86-90 and MKL on the weight widened per call 47-132
+    # AVX2: in panels, as `Bf16Linear`'s below, our kernel's outer products for every batch; without them (rows not a
+    # multiple of 16) from 4 rows two weight rows at a time, 107-137 GFLOP/s at 24-128 rows on TinyLlama-1.1B's shapes
+    # where the row kernel gave 86-90 and MKL on the weight widened per call 47-132
     small_batch = WeightOnlyLinear.small_batch if CPU_ISA.bf16 else 128
     def __init__(self, lin: nn.Linear):
         super().__init__(lin)
         q, scales = int8_rows(lin.weight)
-        self.register_buffer("weight", q)
+        ops = torch.ops.llm_engine
+        self.panels = self.kernel and not CPU_ISA.bf16 and q.shape[0] % ops.panel_height() == 0
+        # our kernel then takes every batch, but W8A8Linear's large batches stay its own (int8 activations)
+        if self.panels and ops.panels_vectorized() and type(self) is Int8Linear: self.small_batch = EVERY_BATCH
+        self.register_buffer("weight", ops.pack_panels(q) if self.panels else q)
         self.register_buffer("scales", scales)
     def few_rows(self, x2):
         if self.kernel: return torch.ops.llm_engine.int8_linear(x2, self.weight, self.scales)
         return torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.weight, self.scales.to(torch.bfloat16))
-    def dequantized(self): return self.weight.float() * self.scales.float()[:, None]
+    def dequantized(self): return self.rows(slice(None)).float() * self.scales.float()[:, None]
     def dequantize_into(self, out, row=0):
-        w, s = self.weight[row:row + out.shape[0]], self.scales[row:row + out.shape[0]]
+        w, s = self.rows(slice(row, row + out.shape[0])), self.scales[row:row + out.shape[0]]
         # q·s is exact in fp32 and rounded to bf16 once either way; int8 times fp32 into a bf16 tensor took 40x as long (one
         # 23M-weight matrix: 674 ms vs 17), and into fp32 `torch.mul` widened the int8 rows into a temporary of out's size first
         return out.copy_(w).mul_(s.to(out.dtype)[:, None])
@@ -147,12 +157,9 @@ class Bf16Linear(WeightOnlyLinear):
         if self.panels and ops.panels_vectorized(): self.small_batch = EVERY_BATCH
         # packed from the plain weight, which is then freed (a tied table's lookups move to the head: `Bf16Embedding`)
         self.register_buffer("weight", ops.pack_panels(w) if self.panels else w)
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        "Rows `ids` of the weight `[out, in]`, in bf16, whichever layout holds it."
-        return torch.ops.llm_engine.panel_rows(self.weight, ids) if self.panels else self.weight[ids]
     def few_rows(self, x2): return torch.ops.llm_engine.int8_linear(x2, self.weight, NO_SCALES) if self.kernel else None
-    def dequantized(self): return self.rows(torch.arange(self.out_features)).float()
-    def dequantize_into(self, out, row=0): return out.copy_(self.rows(torch.arange(row, row + out.shape[0])))
+    def dequantized(self): return self.rows(slice(None)).float()
+    def dequantize_into(self, out, row=0): return out.copy_(self.rows(slice(row, row + out.shape[0])))
 
 class Bf16Embedding(nn.Module):
     "Token lookup in a tied model's bf16 output head held as panels: the table is held once, a token's row gathered when read."
@@ -335,7 +342,9 @@ class Int8Embedding(nn.Module):
         self.register_buffer("weight", head.weight)      # the head's table itself, not a copy
         # the scales (exact in bf16) in the activations' dtype, which the model's `.to(dtype)` then keeps them in
         self.register_buffer("scales", head.scales.to(dtype))
-    def forward(self, ids): return self.weight[ids].to(self.scales.dtype) * self.scales[ids].unsqueeze(-1)
+    def forward(self, ids):
+        q = self.weight[ids] if self.weight.dim() == 2 else torch.ops.llm_engine.panel_rows(self.weight, ids.reshape(-1)).view(*ids.shape, -1)  # AVX2: panels
+        return q.to(self.scales.dtype) * self.scales[ids].unsqueeze(-1)
 
 def quantize_linears(model: nn.Module, method: str = "int8", model_path=None) -> nn.Module:
     "Replace every `nn.Linear` (the tied lm_head too) by its quantized form; a tied table becomes the int8 head's."
@@ -389,10 +398,10 @@ class FusedDecode:
         self.columns = [list(c) for c in zip(*[(f32(l.input_layernorm.weight), f32(l.post_attention_layernorm.weight), bias(l.self_attn.qkv_proj),
                                                 *([t for q in self._lins(l) for t in plain(q)] if one_call else [])) for l in model.layers])]
         self.quantized = isinstance(model.layers[0].self_attn.qkv_proj, WeightOnlyLinear)
-        # rows up to which the one-call layer wins (measured below); bf16 panels (AVX2's default) at every decode step's
-        # size: SmolLM2 on the EPYC, 32 rows 80.4 -> 71.5 ms a step against nine calls past 24, 64 rows 152.7 -> 145.0
-        panels = all(getattr(q, "panels", False) for l in model.layers for q in self._lins(l)) and torch.ops.llm_engine.panels_vectorized()
-        self.max_rows = 0 if not one_call else EVERY_BATCH if panels else WeightOnlyLinear.small_batch if self.quantized else self.BF16_ROWS
+        # rows up to which the one-call layer wins (measured below); where our kernel takes every batch (panels, AVX2)
+        # every decode step: SmolLM2 on the EPYC, 32 rows 80.4 -> 71.5 ms a step against nine calls past 24, 64 rows 152.7 -> 145.0
+        every = all(getattr(q, "small_batch", 0) == EVERY_BATCH for l in model.layers for q in self._lins(l))
+        self.max_rows = 0 if not one_call else EVERY_BATCH if every else WeightOnlyLinear.small_batch if self.quantized else self.BF16_ROWS
         self.rebind(model)
     BF16_ROWS = 3      # rows up to which our kernel on bf16 weights beats oneDNN's bf16 matmul
     @staticmethod

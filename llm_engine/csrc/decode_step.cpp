@@ -317,79 +317,94 @@ static void matmul_into(const float* xp, int64_t M, int64_t K, const W* wp, cons
   });
 }
 
-// ---- bf16 weights in panels, where the CPU has no bf16 arithmetic (AVX2): the weight [N, K] held as [N / 16, K, 16],
-// for each k the weights of 16 output rows side by side. The kernels above take the dot product of a weight row with rows
-// of x: each FMA needs a vector of x loaded and a widened weight, and they ran at half of the FMA peak. Here R rows of x
-// meet a panel as outer products: for each k, one 32-byte load of 16 weights, widened into two fp32 vectors by
-// unpacking under zero, and R values of x broadcast, 2R FMAs whose accumulators hold the R x 16 outputs all along k.
-// Standalone on the EPYC (Zen 3), one core, weights cold: 79 GFLOP/s at 32 rows (the pair kernel: 44-52), 92 at 512
-// (MKL's fp32 matmul on the weight widened per call is no better there, so panels take every batch), ~11-12 GB/s at
-// one row, as the row kernel. The layout is written at load (pack_panels) and read by every reader of the weight
-// (panel_rows: a tied table's lookups and the dequantized weight); one copy of the weights.
+// ---- weights in panels, where the CPU has no bf16 arithmetic (AVX2): the weight [N, K] held as [N / 16, K, 16], for
+// each k the weights of 16 output rows side by side; bf16, or int8 with one scale per output row. The kernels above
+// take the dot product of a weight row with rows of x: each FMA needs a vector of x loaded and a widened weight, and
+// they ran at half of the FMA peak. Here R rows of x meet a panel as outer products: for each k, one load of 16 weights
+// widened into two fp32 vectors, and R values of x broadcast, 2R FMAs whose accumulators hold the R x 16 outputs all
+// along k (int8's scales multiply them once at the end). Standalone on the EPYC (Zen 3), one core, bf16 weights cold:
+// 79 GFLOP/s at 32 rows (the pair kernel: 44-52), 92 at 512 (MKL's fp32 matmul on the weight widened per call is no
+// better there, so panels take every batch), ~11-12 GB/s at one row, as the row kernel. The layout is written at load
+// (pack_panels) and read by every reader of the weight (panel_rows: a tied table's lookups, the dequantized weight);
+// one copy of the weights.
 constexpr int PANEL = 16;
-// where each of a panel's 16 rows sits among its 16 weights of one k: vpunpcklwd / vpunpckhwd work within each 128-bit
-// half, so the low words of both halves (slots 0-3, 8-11) widen to rows 0-7 and the high ones to rows 8-15
-static constexpr int PANEL_SLOT[PANEL] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+// where each of a panel's 16 rows sits among its 16 weights of one k. bf16 is widened by unpacking under zero
+// (vpunpcklwd / vpunpckhwd), which works within each 128-bit half: the low words of both halves (slots 0-3, 8-11) widen
+// to rows 0-7 and the high ones to rows 8-15. int8 is sign-extended 8 bytes at a time: in order
+static constexpr int BF16_SLOT[PANEL] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+template <typename W> static inline int panel_slot(int r) { return std::is_same_v<W, int8_t> ? r : BF16_SLOT[r]; }
 constexpr int64_t PANEL_BLOCK = 4;      // panels kept in L2 while every group of rows passes over them
 static int64_t out_rows(const at::Tensor& w) { return w.dim() == 3 ? w.size(0) * PANEL : w.size(0); }
 
-static void panels_generic(const float* x, int64_t M, int64_t K, const at::BFloat16* w, float* y, int64_t N, int64_t p0, int64_t p1) {
+template <typename W>
+static void panels_generic(const float* x, int64_t M, int64_t K, const W* w, const float* sc, float* y, int64_t N, int64_t p0, int64_t p1) {
   float acc[PANEL];
   for (int64_t p = p0; p < p1; ++p)
     for (int64_t m = 0; m < M; ++m) {
-      const at::BFloat16* pw = w + p * K * PANEL;
+      const W* pw = w + p * K * PANEL;
       for (int q = 0; q < PANEL; ++q) acc[q] = 0.f;
       for (int64_t k = 0; k < K; ++k) for (int q = 0; q < PANEL; ++q) acc[q] += x[m * K + k] * static_cast<float>(pw[k * PANEL + q]);
-      for (int r = 0; r < PANEL; ++r) y[m * N + p * PANEL + r] = acc[PANEL_SLOT[r]];
+      for (int r = 0; r < PANEL; ++r) y[m * N + p * PANEL + r] = acc[panel_slot<W>(r)] * (sc ? sc[p * PANEL + r] : 1.f);
     }
 }
 
 #if defined(__AVX512F__) || defined(LLM_AVX2)
+// one k's 16 weights of a panel as two fp32 vectors: rows 0-7, rows 8-15
+static inline void panel_widen(const at::BFloat16* p, __m256& w0, __m256& w1) {
+  const __m256i z = _mm256_setzero_si256(), v = _mm256_loadu_si256((const __m256i*)p);
+  w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v)); w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
+}
+static inline void panel_widen(const int8_t* p, __m256& w0, __m256& w1) {
+  w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+  w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
+}
 // R rows of x (1-6) by one panel: 2 R U accumulators, U chains over k where R is too small to hide the FMA's latency;
 // with at most 3 rows the step is bound by reading weights and asks for them ahead (WEIGHT_PREFETCH, above)
-template <int R, int U>
-static void panel_avx2(const float* x, int64_t K, const at::BFloat16* pw, float* y, int64_t N) {
+template <typename W, int R, int U>
+static void panel_avx2(const float* x, int64_t K, const W* pw, const float* sc, float* y, int64_t N) {
   __m256 acc[U][R][2];
 #pragma GCC unroll 4
   for (int u = 0; u < U; ++u)
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) acc[u][r][0] = acc[u][r][1] = _mm256_setzero_ps();
-  const __m256i z = _mm256_setzero_si256();
   // the widened weights of k, multiplied into chain u (without the unroll pragmas GCC kept the accumulators on the
   // stack, stored every iteration)
 #define LLM_PANEL_K(k, u) { \
-    const __m256i wv = _mm256_loadu_si256((const __m256i*)(pw + PANEL * (k))); \
-    const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, wv)), w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, wv)); \
+    __m256 w0, w1; panel_widen(pw + PANEL * (k), w0, w1); \
     _Pragma("GCC unroll 6") for (int r = 0; r < R; ++r) { \
       const __m256 xb = _mm256_broadcast_ss(x + r * K + (k)); \
       acc[u][r][0] = _mm256_fmadd_ps(w0, xb, acc[u][r][0]); \
       acc[u][r][1] = _mm256_fmadd_ps(w1, xb, acc[u][r][1]); } }
+  constexpr int lines = std::max<int>(1, U * PANEL * (int)sizeof(W) / 64);
   int64_t k = 0;
   for (; k + U <= K; k += U) {
-    if constexpr (R <= 3) for (int l = 0; l < U * PANEL * 2 / 64; ++l) _mm_prefetch((const char*)(pw + PANEL * k) + 64 * l + WEIGHT_PREFETCH, _MM_HINT_T0);
+    if constexpr (R <= 3) for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)(pw + PANEL * k) + 64 * l + WEIGHT_PREFETCH, _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) LLM_PANEL_K(k + u, u)
   }
   for (; k < K; ++k) LLM_PANEL_K(k, 0)
 #undef LLM_PANEL_K
+  const __m256 s0 = sc ? _mm256_loadu_ps(sc) : _mm256_set1_ps(1.f), s1 = sc ? _mm256_loadu_ps(sc + 8) : _mm256_set1_ps(1.f);
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
     for (int u = 1; u < U; ++u) { acc[0][r][0] = _mm256_add_ps(acc[0][r][0], acc[u][r][0]); acc[0][r][1] = _mm256_add_ps(acc[0][r][1], acc[u][r][1]); }
-    _mm256_storeu_ps(y + r * N, acc[0][r][0]);
-    _mm256_storeu_ps(y + r * N + 8, acc[0][r][1]);
+    _mm256_storeu_ps(y + r * N, _mm256_mul_ps(acc[0][r][0], s0));
+    _mm256_storeu_ps(y + r * N + 8, _mm256_mul_ps(acc[0][r][1], s1));
   }
 }
 
-static void panels_avx2(const float* x, int64_t M, int64_t K, const at::BFloat16* w, float* y, int64_t N, int64_t p0, int64_t p1) {
-  using F = void (*)(const float*, int64_t, const at::BFloat16*, float*, int64_t);
-  static const F f[7] = {nullptr, panel_avx2<1, 4>, panel_avx2<2, 2>, panel_avx2<3, 2>, panel_avx2<4, 1>, panel_avx2<5, 1>, panel_avx2<6, 1>};
+template <typename W>
+static void panels_avx2(const float* x, int64_t M, int64_t K, const W* w, const float* sc, float* y, int64_t N, int64_t p0, int64_t p1) {
+  using F = void (*)(const float*, int64_t, const W*, const float*, float*, int64_t);
+  static const F f[7] = {nullptr, panel_avx2<W, 1, 4>, panel_avx2<W, 2, 2>, panel_avx2<W, 3, 2>, panel_avx2<W, 4, 1>, panel_avx2<W, 5, 1>, panel_avx2<W, 6, 1>};
   // M rows in groups of at most 6 (12 accumulators), of sizes as equal as can be
   const int64_t G = (M + 5) / 6, base = M / G, extra = M % G;
   for (int64_t b = p0; b < p1; b += PANEL_BLOCK)
     for (int64_t g = 0, m = 0; g < G; ++g) {
       const int r = (int)(base + (g < extra));
-      for (int64_t p = b; p < std::min(p1, b + PANEL_BLOCK); ++p) f[r](x + m * K, K, w + p * K * PANEL, y + m * N + p * PANEL, N);
+      for (int64_t p = b; p < std::min(p1, b + PANEL_BLOCK); ++p)
+        f[r](x + m * K, K, w + p * K * PANEL, sc ? sc + p * PANEL : nullptr, y + m * N + p * PANEL, N);
       m += r;
     }
 }
@@ -403,47 +418,66 @@ static bool has_panel_path() {
 #endif
 }
 
-static void matmul_panels(const float* xp, int64_t M, int64_t K, const at::BFloat16* wp, float* yp, int64_t N, bool generic) {
+template <typename W>
+static void matmul_panels(const float* xp, int64_t M, int64_t K, const W* wp, const float* sp, float* yp, int64_t N, bool generic) {
   balanced_for(N / PANEL, 2, [&](int64_t p0, int64_t p1) {
 #if defined(__AVX512F__) || defined(LLM_AVX2)
-    if (!generic) { panels_avx2(xp, M, K, wp, yp, N, p0, p1); return; }
+    if (!generic) { panels_avx2(xp, M, K, wp, sp, yp, N, p0, p1); return; }
 #endif
-    panels_generic(xp, M, K, wp, yp, N, p0, p1);
+    panels_generic(xp, M, K, wp, sp, yp, N, p0, p1);
   });
 }
 
-// w [N, K] bf16 -> its panels [N / 16, K, 16] (N a multiple of 16)
-at::Tensor pack_panels(const at::Tensor& w_) {
-  TORCH_CHECK(w_.dim() == 2 && w_.scalar_type() == at::kBFloat16 && w_.size(0) % PANEL == 0, "pack_panels: bf16 [N, K], N a multiple of 16");
-  const at::Tensor w = w_.contiguous();
-  const int64_t N = w.size(0), K = w.size(1);
-  at::Tensor out = at::empty({N / PANEL, K, PANEL}, w.options());
-  const uint16_t* src = (const uint16_t*)w.data_ptr<at::BFloat16>(); uint16_t* dst = (uint16_t*)out.data_ptr<at::BFloat16>();
+// y [M, N] = x [M, K] times panels [N / 16, K, 16]: bf16 (sp null) or int8 with scales [N]
+static void matmul_panels_any(const float* xp, int64_t M, int64_t K, const at::Tensor& w, const float* sp, float* yp, bool generic) {
+  const int64_t N = out_rows(w);
+  if (w.scalar_type() == at::kChar) matmul_panels(xp, M, K, w.data_ptr<int8_t>(), sp, yp, N, generic || !has_panel_path());
+  else matmul_panels(xp, M, K, w.data_ptr<at::BFloat16>(), (const float*)nullptr, yp, N, generic || !has_panel_path());
+}
+
+template <typename E, typename W>
+static void pack_rows(const E* src, int64_t N, int64_t K, E* dst) {
   at::parallel_for(0, N / PANEL, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       for (int r = 0; r < PANEL; ++r) {
-        const uint16_t* row = src + (p * PANEL + r) * K; uint16_t* d = dst + p * K * PANEL + PANEL_SLOT[r];
+        const E* row = src + (p * PANEL + r) * K; E* d = dst + p * K * PANEL + panel_slot<W>(r);
         for (int64_t k = 0; k < K; ++k) d[k * PANEL] = row[k];
       }
   });
+}
+
+// w [N, K] bf16 or int8 -> its panels [N / 16, K, 16] (N a multiple of 16)
+at::Tensor pack_panels(const at::Tensor& w_) {
+  const auto t = w_.scalar_type();
+  TORCH_CHECK(w_.dim() == 2 && (t == at::kBFloat16 || t == at::kChar) && w_.size(0) % PANEL == 0, "pack_panels: bf16 or int8 [N, K], N a multiple of 16");
+  const at::Tensor w = w_.contiguous();
+  at::Tensor out = at::empty({w.size(0) / PANEL, w.size(1), PANEL}, w.options());
+  if (t == at::kChar) pack_rows<int8_t, int8_t>(w.data_ptr<int8_t>(), w.size(0), w.size(1), out.data_ptr<int8_t>());
+  else pack_rows<uint16_t, at::BFloat16>((const uint16_t*)w.data_ptr<at::BFloat16>(), w.size(0), w.size(1), (uint16_t*)out.data_ptr<at::BFloat16>());
   return out;
 }
 
-// rows `ids` of the weight a panel tensor holds, [len(ids), K] bf16: a tied table's lookups, and the weight de-packed
+template <typename E, typename W>
+static void gather_rows(const E* src, const int64_t* ip, int64_t n, int64_t K, E* dst) {
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const E* s = src + ip[i] / PANEL * K * PANEL + panel_slot<W>(ip[i] % PANEL);
+      for (int64_t k = 0; k < K; ++k) dst[i * K + k] = s[k * PANEL];
+    }
+  });
+}
+
+// rows `ids` of the weight a panel tensor holds, [len(ids), K] in its dtype: a tied table's lookups, the weight de-packed
 at::Tensor panel_rows(const at::Tensor& p_, const at::Tensor& ids_) {
-  TORCH_CHECK(p_.dim() == 3 && p_.size(2) == PANEL && p_.scalar_type() == at::kBFloat16, "panel_rows: bf16 panels [N / 16, K, 16]");
+  const auto t = p_.scalar_type();
+  TORCH_CHECK(p_.dim() == 3 && p_.size(2) == PANEL && (t == at::kBFloat16 || t == at::kChar), "panel_rows: bf16 or int8 panels [N / 16, K, 16]");
   const at::Tensor p = p_.contiguous(), ids = ids_.to(at::kLong).contiguous();
   const int64_t K = p.size(1), N = p.size(0) * PANEL, n = ids.numel();
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "panel_rows: row ", ip[i], " out of range for ", N, " rows");
   at::Tensor out = at::empty({n, K}, p.options());
-  const uint16_t* src = (const uint16_t*)p.data_ptr<at::BFloat16>(); uint16_t* dst = (uint16_t*)out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const uint16_t* s = src + ip[i] / PANEL * K * PANEL + PANEL_SLOT[ip[i] % PANEL];
-      for (int64_t k = 0; k < K; ++k) dst[i * K + k] = s[k * PANEL];
-    }
-  });
+  if (t == at::kChar) gather_rows<int8_t, int8_t>(p.data_ptr<int8_t>(), ip, n, K, out.data_ptr<int8_t>());
+  else gather_rows<uint16_t, at::BFloat16>((const uint16_t*)p.data_ptr<at::BFloat16>(), ip, n, K, (uint16_t*)out.data_ptr<at::BFloat16>());
   return out;
 }
 
@@ -451,13 +485,13 @@ at::Tensor panel_rows(const at::Tensor& p_, const at::Tensor& ids_) {
 // arithmetic is fp32). generic: use the portable loop even where a vector path is compiled in
 at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& w_, const at::Tensor& scales_, bool generic) {
   const auto wt = w_.scalar_type();
-  if (w_.dim() == 3) {      // bf16 panels [N / 16, K, 16]
-    TORCH_CHECK(x_.dim() == 2 && w_.size(2) == PANEL && wt == at::kBFloat16 && x_.size(1) == w_.size(1) && !scales_.numel(),
-                "int8_linear: panels are bf16 [N / 16, K, 16] without scales, and x [M, K] shares their K");
-    const at::Tensor x = x_.to(at::kFloat).contiguous(), w = w_.contiguous();
-    const int64_t M = x.size(0), K = x.size(1), N = out_rows(w);
-    at::Tensor y = at::empty({M, N}, x.options());
-    matmul_panels(x.data_ptr<float>(), M, K, w.data_ptr<at::BFloat16>(), y.data_ptr<float>(), N, generic || !has_panel_path());
+  if (w_.dim() == 3) {      // panels [N / 16, K, 16]: bf16, or int8 with its scales
+    TORCH_CHECK(x_.dim() == 2 && w_.size(2) == PANEL && x_.size(1) == w_.size(1), "int8_linear: panels are [N / 16, K, 16], and x [M, K] shares their K");
+    TORCH_CHECK(wt == at::kChar ? scales_.numel() == out_rows(w_) : wt == at::kBFloat16 && !scales_.numel(),
+                "int8_linear: panels are bf16 without scales, or int8 with one scale per output channel");
+    const at::Tensor x = x_.to(at::kFloat).contiguous(), w = w_.contiguous(), sc = scales_.to(at::kFloat).contiguous();
+    at::Tensor y = at::empty({x.size(0), out_rows(w)}, x.options());
+    matmul_panels_any(x.data_ptr<float>(), x.size(0), x.size(1), w, wt == at::kChar ? sc.data_ptr<float>() : nullptr, y.data_ptr<float>(), generic);
     return x_.scalar_type() == at::kFloat ? y : y.to(x_.scalar_type());
   }
   TORCH_CHECK(x_.dim() == 2 && w_.dim() == 2 && x_.size(1) == w_.size(1), "int8_linear: x [M, K] and w [N, K] must share K");
@@ -777,8 +811,10 @@ static const float* f32(const at::Tensor& t, const char* what) {
 static void mm(const float* x, int64_t M, int64_t K, const at::Tensor& w, const at::Tensor& s, float* y) {
   const int64_t N = out_rows(w);
   if (w.dim() == 3) {
-    TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kBFloat16 && w.size(1) == K && w.size(2) == PANEL, "decode_layer: panels bf16 [N / 16, K, 16], contiguous");
-    return matmul_panels(x, M, K, w.data_ptr<at::BFloat16>(), y, N, !has_panel_path());
+    TORCH_CHECK(w.is_contiguous() && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kChar) && w.size(1) == K && w.size(2) == PANEL,
+                "decode_layer: panels bf16 or int8 [N / 16, K, 16], contiguous");
+    TORCH_CHECK(w.scalar_type() != at::kChar || s.numel() == N, "decode_layer: int8 panels need one scale per row");
+    return matmul_panels_any(x, M, K, w, w.scalar_type() == at::kChar ? f32(s, "scales") : nullptr, y, false);
   }
   if (w.is_mkldnn()) {
     static const auto packed = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
