@@ -478,7 +478,7 @@ def our_notes() -> dict:
     # no bf16 arithmetic (AVX2): every weight is widened to fp32 in registers, or per call for large batches
     wide = "an fp32 matmul on weights widened per call beyond"
     from llm_engine.precision import load_step_kernels
-    panels = load_step_kernels() is None and torch.ops.llm_engine.panels_vectorized()
+    panels = load_step_kernels() is None and torch.ops.llm_engine.int8_linear_vectorized()
     bf16 = "bf16 weights, activations and KV cache, fp32 arithmetic (no bf16 here): "
     return dict(
         bf16=bf16 + ("weights in 16-row panels, our kernel's outer products at every batch size, one C++ call per layer at every decode step" if panels else

@@ -129,7 +129,7 @@ class Int8Linear(WeightOnlyLinear):
         ops = torch.ops.llm_engine
         self.panels = self.kernel and not CPU_ISA.bf16 and q.shape[0] % ops.panel_height() == 0
         # our kernel then takes every batch, but W8A8Linear's large batches stay its own (int8 activations)
-        if self.panels and ops.panels_vectorized() and type(self) is Int8Linear: self.small_batch = EVERY_BATCH
+        if self.panels and ops.int8_linear_vectorized() and type(self) is Int8Linear: self.small_batch = EVERY_BATCH
         self.register_buffer("weight", ops.pack_panels(q) if self.panels else q)
         self.register_buffer("scales", scales)
     def few_rows(self, x2):
@@ -154,7 +154,7 @@ class Bf16Linear(WeightOnlyLinear):
         w = lin.weight.detach().to(torch.bfloat16)     # the same tensor when already bf16: a tied lm_head stays one copy
         ops = torch.ops.llm_engine
         self.panels = self.kernel and w.shape[0] % ops.panel_height() == 0
-        if self.panels and ops.panels_vectorized(): self.small_batch = EVERY_BATCH
+        if self.panels and ops.int8_linear_vectorized(): self.small_batch = EVERY_BATCH
         # packed from the plain weight, which is then freed (a tied table's lookups move to the head: `Bf16Embedding`)
         self.register_buffer("weight", ops.pack_panels(w) if self.panels else w)
     def few_rows(self, x2): return torch.ops.llm_engine.int8_linear(x2, self.weight, NO_SCALES) if self.kernel else None

@@ -53,6 +53,14 @@ static void balanced_for(int64_t N, int64_t chunk, const F& f) {
 
 constexpr int RB = 4;   // rows of x per pass: U * RB accumulators stay in registers
 
+// M rows in as few groups of at most `most` as can be, of sizes as equal as can be (32 rows by 5: 5, 5, 5, 5, 4, 4, 4,
+// not six 5s and a 2): f(first row, rows)
+template <typename F>
+static void row_groups(int64_t M, int64_t most, const F& f) {
+  const int64_t G = (M + most - 1) / most, base = M / G, extra = M % G;
+  for (int64_t g = 0, m = 0; g < G; ++g) { const int64_t r = base + (g < extra); f(m, r); m += r; }
+}
+
 // the files are built with -ffast-math, which may fold std::isfinite / std::isnan away: the exponent's bits say it
 static inline bool nonfinite(float v) { uint32_t b; std::memcpy(&b, &v, 4); return (b & 0x7f800000u) == 0x7f800000u; }
 static inline float quiet_nan() { const uint32_t b = 0x7fc00000u; float v; std::memcpy(&v, &b, 4); return v; }
@@ -247,22 +255,17 @@ static void block_pairs_avx2(const float* xp, int64_t M, int64_t K, const W* w, 
   using F = void (*)(const float*, int64_t, const W*, const float*, float*, int64_t, int64_t, int64_t);
   static const F two[6] = {nullptr, pair_avx2<W, 2, 1>, pair_avx2<W, 2, 2>, pair_avx2<W, 2, 3>, pair_avx2<W, 2, 4>, pair_avx2<W, 2, 5>};
   static const F one[6] = {nullptr, pair_avx2<W, 1, 1>, pair_avx2<W, 1, 2>, pair_avx2<W, 1, 3>, pair_avx2<W, 1, 4>, pair_avx2<W, 1, 5>};
-  // M rows in as few groups as the weight type's rows allow, of sizes as equal as can be (32 bf16: 5, 5, 5, 5, 4, 4, 4, not
-  // six 5s and a 2)
   constexpr int64_t RW = PairWeights<W>::rows;
   static_assert(RW <= 5, "two[] and one[] go to 5 rows");
-  const int64_t G = (M + RW - 1) / RW, base = M / G, extra = M % G;
   for (int64_t b = n0; b < n1; b += PAIR_N_BLOCK) {
     const int64_t e = std::min(n1, b + PAIR_N_BLOCK);
     for (int64_t k0 = 0; k0 < K; k0 += PAIR_K_BLOCK) {
       const int64_t k1 = std::min(K, k0 + PAIR_K_BLOCK);
-      for (int64_t g = 0, m = 0; g < G; ++g) {
-        const int r = (int)(base + (g < extra));
+      row_groups(M, RW, [&](int64_t m, int64_t r) {
         int64_t n = b;
         for (; n + 2 <= e; n += 2) two[r](xp + m * K, K, w + n * K, sc ? sc + n : nullptr, y + m * N + n, N, k0, k1);
         if (n < e) one[r](xp + m * K, K, w + n * K, sc ? sc + n : nullptr, y + m * N + n, N, k0, k1);
-        m += r;
-      }
+      });
     }
   }
 }
@@ -398,25 +401,13 @@ template <typename W>
 static void panels_avx2(const float* x, int64_t M, int64_t K, const W* w, const float* sc, float* y, int64_t N, int64_t p0, int64_t p1) {
   using F = void (*)(const float*, int64_t, const W*, const float*, float*, int64_t);
   static const F f[7] = {nullptr, panel_avx2<W, 1, 4>, panel_avx2<W, 2, 2>, panel_avx2<W, 3, 2>, panel_avx2<W, 4, 1>, panel_avx2<W, 5, 1>, panel_avx2<W, 6, 1>};
-  // M rows in groups of at most 6 (12 accumulators), of sizes as equal as can be
-  const int64_t G = (M + 5) / 6, base = M / G, extra = M % G;
   for (int64_t b = p0; b < p1; b += PANEL_BLOCK)
-    for (int64_t g = 0, m = 0; g < G; ++g) {
-      const int r = (int)(base + (g < extra));
+    row_groups(M, 6, [&](int64_t m, int64_t r) {     // at most 6 rows: 12 accumulators
       for (int64_t p = b; p < std::min(p1, b + PANEL_BLOCK); ++p)
         f[r](x + m * K, K, w + p * K * PANEL, sc ? sc + p * PANEL : nullptr, y + m * N + p * PANEL, N);
-      m += r;
-    }
+    });
 }
 #endif
-
-static bool has_panel_path() {
-#if defined(__AVX512F__) || defined(LLM_AVX2)
-  return true;
-#else
-  return false;
-#endif
-}
 
 template <typename W>
 static void matmul_panels(const float* xp, int64_t M, int64_t K, const W* wp, const float* sp, float* yp, int64_t N, bool generic) {
@@ -431,8 +422,8 @@ static void matmul_panels(const float* xp, int64_t M, int64_t K, const W* wp, co
 // y [M, N] = x [M, K] times panels [N / 16, K, 16]: bf16 (sp null) or int8 with scales [N]
 static void matmul_panels_any(const float* xp, int64_t M, int64_t K, const at::Tensor& w, const float* sp, float* yp, bool generic) {
   const int64_t N = out_rows(w);
-  if (w.scalar_type() == at::kChar) matmul_panels(xp, M, K, w.data_ptr<int8_t>(), sp, yp, N, generic || !has_panel_path());
-  else matmul_panels(xp, M, K, w.data_ptr<at::BFloat16>(), (const float*)nullptr, yp, N, generic || !has_panel_path());
+  if (w.scalar_type() == at::kChar) matmul_panels(xp, M, K, w.data_ptr<int8_t>(), sp, yp, N, generic || !has_vector_path());
+  else matmul_panels(xp, M, K, w.data_ptr<at::BFloat16>(), (const float*)nullptr, yp, N, generic || !has_vector_path());
 }
 
 template <typename E, typename W>
@@ -1076,7 +1067,6 @@ at::Tensor argmax_rows(const at::Tensor& x_) {
 }
 
 bool int8_linear_vectorized() { return has_vector_path(); }
-bool panels_vectorized() { return has_panel_path(); }
 int64_t panel_height() { return PANEL; }
 std::string step_kernels_isa() { return kernel_isa(); }
 
@@ -1084,7 +1074,6 @@ TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, bool generic=False) -> Tensor");
   m.def("int8_linear_vectorized() -> bool", &int8_linear_vectorized);
   m.def("step_kernels_isa() -> str", &step_kernels_isa);
-  m.def("panels_vectorized() -> bool", &panels_vectorized);
   m.def("panel_height() -> int", &panel_height);
   m.def("pack_panels(Tensor w) -> Tensor");
   m.def("panel_rows(Tensor panels, Tensor ids) -> Tensor");
