@@ -58,13 +58,13 @@ class WeightOnlyLinear(nn.Module):
     small_batch = 4 if CPU_ISA.bf16 else 24
     widen_large = not CPU_ISA.bf16     # large batches: fp32 matmul on the weight widened per call, not a bf16 copy
     keep_copy = True      # with bf16 arithmetic: keep the dequantized bf16 weight (False past a bound: `bound_dequantized_copies`)
+    panels = False        # the weight held as panels (csrc: Int8Linear's and Bf16Linear's on a CPU without bf16 arithmetic)
     def __init__(self, lin: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
         self.register_buffer("bias", None if lin.bias is None else lin.bias.detach().clone())
         self.kernel = load_step_kernels() is None    # compiled once per machine
         self.packed = None                           # the dequantized bf16 weight for large batches, made on first use
-    panels = False     # held as panels (Int8Linear, Bf16Linear on AVX2): see csrc's note
     def rows(self, ids) -> torch.Tensor:
         "Rows `ids` (a tensor, or a slice: a view where the weight is held plain) of the stored weight `[out, in]`, whichever layout holds it."
         if not self.panels: return self.weight[ids]
@@ -127,7 +127,7 @@ class Int8Linear(WeightOnlyLinear):
         super().__init__(lin)
         q, scales = int8_rows(lin.weight)
         ops = torch.ops.llm_engine
-        self.panels = self.kernel and not CPU_ISA.bf16 and q.shape[0] % ops.panel_height() == 0
+        self.panels = self.kernel and q.device.type == "cpu" and not CPU_ISA.bf16 and q.shape[0] % ops.panel_height() == 0
         # our kernel then takes every batch, but W8A8Linear's large batches stay its own (int8 activations)
         if self.panels and ops.int8_linear_vectorized() and type(self) is Int8Linear: self.small_batch = EVERY_BATCH
         self.register_buffer("weight", ops.pack_panels(q) if self.panels else q)
@@ -153,7 +153,7 @@ class Bf16Linear(WeightOnlyLinear):
         super().__init__(lin)
         w = lin.weight.detach().to(torch.bfloat16)     # the same tensor when already bf16: a tied lm_head stays one copy
         ops = torch.ops.llm_engine
-        self.panels = self.kernel and w.shape[0] % ops.panel_height() == 0
+        self.panels = self.kernel and w.device.type == "cpu" and w.shape[0] % ops.panel_height() == 0
         if self.panels and ops.int8_linear_vectorized(): self.small_batch = EVERY_BATCH
         # packed from the plain weight, which is then freed (a tied table's lookups move to the head: `Bf16Embedding`)
         self.register_buffer("weight", ops.pack_panels(w) if self.panels else w)
