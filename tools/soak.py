@@ -96,7 +96,7 @@ class SoakResult:
     seconds: float = 0.0
     blocks_leaked: int|None = None
     rss_start: float|None = None
-    rss_warm: float|None = None
+    rss_warm: float|None = None     # MiB: the peak up to the end of warm-up
     rss_end: float|None = None
     rss_peak: float|None = None
     growth_pct: float|None = None
@@ -167,12 +167,15 @@ async def _soak(base, pid, n, concurrency, time_limit, warmup, seed, sample_ever
                 res.sent += 1
                 await _one(c, req, res)
                 done += 1
-                if done == warmup and pid and res.rss_warm is None: res.rss_warm = rss_mib(pid)
+                if done == warmup and pid and res.rss_warm is None: res.rss_warm = warm_peak()
+        # the highest reading up to the end of warm-up, not one reading: the engine's malloc_trim makes RSS saw up and down,
+        # and one reading in a trough (534 MiB between peaks of 634 on a Zen 4) made the same working set look like +17%
+        def warm_peak(): return max([rss_mib(pid) or 0] + [m for *_, m in res.rss_samples])
         async def watch():
             while not stop.is_set():
                 el = time.perf_counter() - t0
                 if pid: res.rss_samples.append((round(el, 1), done, round(rss_mib(pid) or 0, 1)))
-                if pid and res.rss_warm is None and el >= warm_time: res.rss_warm = rss_mib(pid)   # warm by time if not by count
+                if pid and res.rss_warm is None and el >= warm_time: res.rss_warm = warm_peak()   # warm by time if not by count
                 if el > time_limit: res.time_limited = True; stop.set(); break
                 try: await asyncio.wait_for(stop.wait(), sample_every)
                 except asyncio.TimeoutError: pass
