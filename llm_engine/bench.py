@@ -480,11 +480,11 @@ def our_notes() -> dict:
     from llm_engine.precision import load_step_kernels
     panels = load_step_kernels() is None and torch.ops.llm_engine.int8_linear_vectorized()
     bf16 = "bf16 weights, activations and KV cache, fp32 arithmetic (no bf16 here): "
+    in_panels = "weights in 16-row panels, our kernel's outer products at every batch size, one C++ call per layer at every decode step"
     return dict(
-        bf16=bf16 + ("weights in 16-row panels, our kernel's outer products at every batch size, one C++ call per layer at every decode step" if panels else
+        bf16=bf16 + (in_panels if panels else
                      f"one C++ call per layer at 1-{FusedDecode.BF16_ROWS} rows, our kernel to {Bf16Linear.small_batch} rows (two weight rows at a time from 4), {wide}"),
-        int8=("int8 weight-only, fp32 activations; " + ("weights in 16-row panels, our kernel's outer products at every batch size, one C++ call per layer at every decode step" if panels else
-                                                          f"one C++ call per layer at 1-{one} rows, our kernel to {Int8Linear.small_batch} rows, {wide}")),
+        int8="int8 weight-only, fp32 activations; " + (in_panels if panels else f"one C++ call per layer at 1-{one} rows, our kernel to {Int8Linear.small_batch} rows, {wide}"),
         q4=f"{q4}; one C++ call per layer at 1-{one} rows, our kernel to {Q4Linear.small_batch}-32 rows (32 from 2,048 inputs), {wide}",
         w8a8=w8a8)
 

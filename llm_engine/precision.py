@@ -21,8 +21,8 @@ from .model import (Llama, ModelConfig, PackedLinear, SECOND_COPY_MAX_BYTES, emp
 # %% auto 0
 __all__ = ['STEP_KERNELS_SRC', 'NO_SCALES', 'EVERY_BATCH', 'WIDEN_CHUNK', 'QUANTIZE_CHUNK', 'Q4_GROUP', 'Q4_BYTES', 'Q4_SPAN',
            'W8A8_ALPHA', 'CALIBRATION_CHAT', 'QUANTIZERS', 'FUSED_SWITCHES', 'HUGE_PAGE', 'AS_READ',
-           'CALIBRATE_AS_STORED', 'load_step_kernels', 'widen_buffer', 'WeightOnlyLinear', 'int8_rows', 'Int8Linear',
-           'Bf16Linear', 'Bf16Embedding', 'quantize_q4', 'dequantize_q4', 'Q4Linear', 'forward_logits',
+           'CALIBRATE_AS_STORED', 'load_step_kernels', 'widen_buffer', 'weight_rows', 'WeightOnlyLinear', 'int8_rows',
+           'Int8Linear', 'Bf16Linear', 'Bf16Embedding', 'quantize_q4', 'dequantize_q4', 'Q4Linear', 'forward_logits',
            'calibration_ids', 'activation_ranges', 'W8A8Linear', 'Int8Embedding', 'quantize_linears',
            'bound_dequantized_copies', 'replace_linears', 'FusedDecode', 'widen_bf16_linears', 'unfused_differences',
            'PlainHead', 'fuse_decode', 'huge_page_buffer', 'weights_in_huge_pages', 'WidenedEmbedding', 'table_dtype',
@@ -51,6 +51,12 @@ WIDEN_CHUNK = 1 << 22
 # block afresh (`weights_in_own_maps`, 05); with 1,024-row chunks a 1.1B model's q4 load took 12.3 s, not 7.2
 QUANTIZE_CHUNK = 1 << 17
 
+def weight_rows(weight: torch.Tensor, ids) -> torch.Tensor:
+    "Rows `ids` (a tensor of any shape, or a slice: a view where it is plain) of a weight held plain `[N, K]` or as panels `[N / 16, K, 16]` (csrc)."
+    if weight.dim() == 2: return weight[ids]
+    if isinstance(ids, slice): ids = torch.arange(weight.shape[0] * weight.shape[2])[ids]
+    return torch.ops.llm_engine.panel_rows(weight, ids.reshape(-1)).view(*ids.shape, weight.shape[1])
+
 class WeightOnlyLinear(nn.Module):
     "A linear layer whose weight is stored in fewer bits and widened to fp32 inside the matmul; subclasses say how."
     # rows up to which our kernels win (measured below): against oneDNN's bf16 matmul where the CPU multiplies bf16,
@@ -65,10 +71,15 @@ class WeightOnlyLinear(nn.Module):
         self.register_buffer("bias", None if lin.bias is None else lin.bias.detach().clone())
         self.kernel = load_step_kernels() is None    # compiled once per machine
         self.packed = None                           # the dequantized bf16 weight for large batches, made on first use
+    def hold(self, w: torch.Tensor, panels_here=True, every_batch=True):
+        "Register `w` `[out, in]` as `weight`: as panels where our vector kernel takes them (`panels_here`: the subclass's say), which then takes every batch."
+        ops = torch.ops.llm_engine
+        self.panels = panels_here and self.kernel and w.device.type == "cpu" and w.shape[0] % ops.panel_height() == 0
+        if self.panels and every_batch and ops.int8_linear_vectorized(): self.small_batch = EVERY_BATCH
+        self.register_buffer("weight", ops.pack_panels(w) if self.panels else w)
     def rows(self, ids) -> torch.Tensor:
         "Rows `ids` (a tensor, or a slice: a view where the weight is held plain) of the stored weight `[out, in]`, whichever layout holds it."
-        if not self.panels: return self.weight[ids]
-        return torch.ops.llm_engine.panel_rows(self.weight, torch.arange(self.out_features)[ids] if isinstance(ids, slice) else ids)
+        return weight_rows(self.weight, ids)
     def few_rows(self, x2): "`x2 @ W.T` for a decode step's few rows, or None to take the large-batch path."
     def dequantized(self) -> torch.Tensor: "The fp32 weight `[out, in]` the stored one stands for."
     def dequantize_into(self, out: torch.Tensor, row: int = 0) -> torch.Tensor:
@@ -126,11 +137,8 @@ class Int8Linear(WeightOnlyLinear):
     def __init__(self, lin: nn.Linear):
         super().__init__(lin)
         q, scales = int8_rows(lin.weight)
-        ops = torch.ops.llm_engine
-        self.panels = self.kernel and q.device.type == "cpu" and not CPU_ISA.bf16 and q.shape[0] % ops.panel_height() == 0
-        # our kernel then takes every batch, but W8A8Linear's large batches stay its own (int8 activations)
-        if self.panels and ops.int8_linear_vectorized() and type(self) is Int8Linear: self.small_batch = EVERY_BATCH
-        self.register_buffer("weight", ops.pack_panels(q) if self.panels else q)
+        # W8A8Linear's large batches stay its own (int8 activations)
+        self.hold(q, panels_here=not CPU_ISA.bf16, every_batch=type(self) is Int8Linear)
         self.register_buffer("scales", scales)
     def few_rows(self, x2):
         if self.kernel: return torch.ops.llm_engine.int8_linear(x2, self.weight, self.scales)
@@ -152,11 +160,8 @@ class Bf16Linear(WeightOnlyLinear):
     def __init__(self, lin: nn.Linear):
         super().__init__(lin)
         w = lin.weight.detach().to(torch.bfloat16)     # the same tensor when already bf16: a tied lm_head stays one copy
-        ops = torch.ops.llm_engine
-        self.panels = self.kernel and w.device.type == "cpu" and w.shape[0] % ops.panel_height() == 0
-        if self.panels and ops.int8_linear_vectorized(): self.small_batch = EVERY_BATCH
         # packed from the plain weight, which is then freed (a tied table's lookups move to the head: `Bf16Embedding`)
-        self.register_buffer("weight", ops.pack_panels(w) if self.panels else w)
+        self.hold(w)
     def few_rows(self, x2): return torch.ops.llm_engine.int8_linear(x2, self.weight, NO_SCALES) if self.kernel else None
     def dequantized(self): return self.rows(slice(None)).float()
     def dequantize_into(self, out, row=0): return out.copy_(self.rows(slice(row, row + out.shape[0])))
@@ -168,7 +173,7 @@ class Bf16Embedding(nn.Module):
         assert head.panels, "a plain bf16 head is the table itself: nothing to wrap"
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         self.register_buffer("weight", head.weight)      # the head's panels themselves, not a copy
-    def forward(self, ids): return torch.ops.llm_engine.panel_rows(self.weight, ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
+    def forward(self, ids): return weight_rows(self.weight, ids)
 
 
 # %% ../nbs/05b_precision.ipynb
@@ -343,8 +348,7 @@ class Int8Embedding(nn.Module):
         # the scales (exact in bf16) in the activations' dtype, which the model's `.to(dtype)` then keeps them in
         self.register_buffer("scales", head.scales.to(dtype))
     def forward(self, ids):
-        q = self.weight[ids] if self.weight.dim() == 2 else torch.ops.llm_engine.panel_rows(self.weight, ids.reshape(-1)).view(*ids.shape, -1)  # AVX2: panels
-        return q.to(self.scales.dtype) * self.scales[ids].unsqueeze(-1)
+        return weight_rows(self.weight, ids).to(self.scales.dtype) * self.scales[ids].unsqueeze(-1)   # AVX2: from panels
 
 def quantize_linears(model: nn.Module, method: str = "int8", model_path=None) -> nn.Module:
     "Replace every `nn.Linear` (the tied lm_head too) by its quantized form; a tied table becomes the int8 head's."

@@ -6,6 +6,7 @@ from llm_engine.testing import make_tiny_family, TINY_FAMILIES, ServerProcess
 from llm_engine.engine import LLM
 from llm_engine.sampling import SamplingParams
 from llm_engine.model import load_model, load_tokenizer
+from conftest import linked_cache
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    return", "Once upon a time, in a land far away, there lived a"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -16,11 +17,7 @@ def root(tmp_path_factory): return tmp_path_factory.mktemp("families")
 @pytest.fixture
 def model_cache(tmp_path, monkeypatch):
     "A model cache of this test's own, sharing the real one's converted default model and compiled kernels (links: nothing rebuilt)."
-    from llm_engine.model import resolve_model
-    real, mine = resolve_model(None).parent, tmp_path / "cache"
-    mine.mkdir()
-    for p in real.iterdir():
-        if p.is_dir() and (p.name == "kernels" or p.name.startswith("SmolLM2")): (mine / p.name).symlink_to(p)
+    mine = linked_cache(tmp_path / "cache", with_model=True)
     monkeypatch.setenv("LLM_ENGINE_CACHE", str(mine))
     return mine
 

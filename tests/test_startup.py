@@ -3,13 +3,14 @@ servers started at once on a fresh cache both come up, and a truncated or corrup
 
 The GGUF here is a small random Llama (f32 tensors) carrying the default model's tokenizer, so a conversion takes
 seconds; the servers use the torch attention path, and each test's cache links the real one's compiled kernels
-(`with_kernels`), so nothing here waits on a compiler."""
+(`linked_cache`, conftest), so nothing here waits on a compiler."""
 import os, signal, subprocess, sys, tempfile, threading, time
 from pathlib import Path
 import httpx, pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from soak import LoggedServer
+from conftest import linked_cache
 
 def make_tiny_gguf(out, hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, ctx=2048, seed=0) -> Path:
     "A random Llama GGUF with the embedded model's tokenizer and chat template (made once; about 55 MB)."
@@ -52,14 +53,6 @@ def model_folders(cache: Path) -> list[Path]: return [p for p in cache.iterdir()
 
 SERVE = ["--num-blocks", "64", "--max-model-len", "256", "--attention-backend", "torch", "--log-level", "warning"]
 
-def with_kernels(cache: Path) -> Path:
-    "`cache`, made, with the real cache's compiled kernels linked in: these tests are about the model's files, and the two servers below each compiling the decode-step kernels on a fresh cache was most of their 4 minutes on 2 cores."
-    from llm_engine.config import cache_root
-    real = cache_root() / "kernels"
-    real.mkdir(parents=True, exist_ok=True); cache.mkdir(parents=True)
-    (cache / "kernels").symlink_to(real)
-    return cache
-
 def kill_during_conversion(gguf: Path, cache: Path, tries=4) -> Path:
     "Start a server on an empty cache and SIGKILL it while it writes its temporary folder; returns that folder."
     for _ in range(tries):
@@ -80,7 +73,7 @@ def completion(base):
     return r.status_code, r.json()
 
 def test_kill_during_conversion_then_two_simultaneous_starts(tiny_gguf, tmp_path):
-    cache = with_kernels(tmp_path / "cache")
+    cache = linked_cache(tmp_path / "cache")
     t0 = time.perf_counter()
     stale = kill_during_conversion(tiny_gguf, cache)
     assert stale.exists()                                     # the precondition: a writer died mid-conversion
@@ -107,7 +100,7 @@ def test_kill_during_conversion_then_two_simultaneous_starts(tiny_gguf, tmp_path
 def converted(tiny_gguf, tmp_path_factory):
     "A cache holding the tiny GGUF converted once (shared by the tests below)."
     from llm_engine.model import resolve_model
-    cache = with_kernels(tmp_path_factory.mktemp("converted") / "cache")
+    cache = linked_cache(tmp_path_factory.mktemp("converted") / "cache")
     os.environ["LLM_ENGINE_CACHE"] = str(cache)
     try: return cache, resolve_model(tiny_gguf)
     finally: del os.environ["LLM_ENGINE_CACHE"]

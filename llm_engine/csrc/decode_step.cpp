@@ -387,13 +387,13 @@ static void panel_avx2(const float* x, int64_t K, const W* pw, const float* sc, 
   }
   for (; k < K; ++k) LLM_PANEL_K(k, 0)
 #undef LLM_PANEL_K
-  const __m256 s0 = sc ? _mm256_loadu_ps(sc) : _mm256_set1_ps(1.f), s1 = sc ? _mm256_loadu_ps(sc + 8) : _mm256_set1_ps(1.f);
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
     for (int u = 1; u < U; ++u) { acc[0][r][0] = _mm256_add_ps(acc[0][r][0], acc[u][r][0]); acc[0][r][1] = _mm256_add_ps(acc[0][r][1], acc[u][r][1]); }
-    _mm256_storeu_ps(y + r * N, _mm256_mul_ps(acc[0][r][0], s0));
-    _mm256_storeu_ps(y + r * N + 8, _mm256_mul_ps(acc[0][r][1], s1));
+    if (sc) { acc[0][r][0] = _mm256_mul_ps(acc[0][r][0], _mm256_loadu_ps(sc)); acc[0][r][1] = _mm256_mul_ps(acc[0][r][1], _mm256_loadu_ps(sc + 8)); }
+    _mm256_storeu_ps(y + r * N, acc[0][r][0]);
+    _mm256_storeu_ps(y + r * N + 8, acc[0][r][1]);
   }
 }
 
@@ -419,11 +419,22 @@ static void matmul_panels(const float* xp, int64_t M, int64_t K, const W* wp, co
   });
 }
 
+// a panel tensor as every caller takes it: bf16 without scales, or int8 with one fp32 scale per output row; the
+// scales' pointer (null for bf16)
+static const float* check_panels(const at::Tensor& w, int64_t K, const at::Tensor& s, const char* what) {
+  const auto t = w.scalar_type();
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && (t == at::kBFloat16 || t == at::kChar) && w.size(1) == K && w.size(2) == PANEL,
+              what, ": panels are bf16 or int8 [N / 16, K, 16], contiguous, and x [M, K] shares their K");
+  TORCH_CHECK(t == at::kChar ? s.numel() == out_rows(w) && s.scalar_type() == at::kFloat && s.is_contiguous() : !s.numel(),
+              what, ": panels are bf16 without scales, or int8 with one scale per output channel");
+  return t == at::kChar ? s.data_ptr<float>() : nullptr;
+}
+
 // y [M, N] = x [M, K] times panels [N / 16, K, 16]: bf16 (sp null) or int8 with scales [N]
 static void matmul_panels_any(const float* xp, int64_t M, int64_t K, const at::Tensor& w, const float* sp, float* yp, bool generic) {
   const int64_t N = out_rows(w);
-  if (w.scalar_type() == at::kChar) matmul_panels(xp, M, K, w.data_ptr<int8_t>(), sp, yp, N, generic || !has_vector_path());
-  else matmul_panels(xp, M, K, w.data_ptr<at::BFloat16>(), (const float*)nullptr, yp, N, generic || !has_vector_path());
+  if (w.scalar_type() == at::kChar) matmul_panels(xp, M, K, w.data_ptr<int8_t>(), sp, yp, N, generic);
+  else matmul_panels(xp, M, K, w.data_ptr<at::BFloat16>(), (const float*)nullptr, yp, N, generic);
 }
 
 template <typename E, typename W>
@@ -477,12 +488,11 @@ at::Tensor panel_rows(const at::Tensor& p_, const at::Tensor& ids_) {
 at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& w_, const at::Tensor& scales_, bool generic) {
   const auto wt = w_.scalar_type();
   if (w_.dim() == 3) {      // panels [N / 16, K, 16]: bf16, or int8 with its scales
-    TORCH_CHECK(x_.dim() == 2 && w_.size(2) == PANEL && x_.size(1) == w_.size(1), "int8_linear: panels are [N / 16, K, 16], and x [M, K] shares their K");
-    TORCH_CHECK(wt == at::kChar ? scales_.numel() == out_rows(w_) : wt == at::kBFloat16 && !scales_.numel(),
-                "int8_linear: panels are bf16 without scales, or int8 with one scale per output channel");
+    TORCH_CHECK(x_.dim() == 2, "int8_linear: x is [M, K]");
     const at::Tensor x = x_.to(at::kFloat).contiguous(), w = w_.contiguous(), sc = scales_.to(at::kFloat).contiguous();
+    const float* sp = check_panels(w, x.size(1), sc, "int8_linear");
     at::Tensor y = at::empty({x.size(0), out_rows(w)}, x.options());
-    matmul_panels_any(x.data_ptr<float>(), x.size(0), x.size(1), w, wt == at::kChar ? sc.data_ptr<float>() : nullptr, y.data_ptr<float>(), generic);
+    matmul_panels_any(x.data_ptr<float>(), x.size(0), x.size(1), w, sp, y.data_ptr<float>(), generic);
     return x_.scalar_type() == at::kFloat ? y : y.to(x_.scalar_type());
   }
   TORCH_CHECK(x_.dim() == 2 && w_.dim() == 2 && x_.size(1) == w_.size(1), "int8_linear: x [M, K] and w [N, K] must share K");
@@ -801,12 +811,7 @@ static const float* f32(const at::Tensor& t, const char* what) {
 // bf16 as the layer loop rounds it, called through the dispatcher (a few us, where a call from Python costs some 15)
 static void mm(const float* x, int64_t M, int64_t K, const at::Tensor& w, const at::Tensor& s, float* y) {
   const int64_t N = out_rows(w);
-  if (w.dim() == 3) {
-    TORCH_CHECK(w.is_contiguous() && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kChar) && w.size(1) == K && w.size(2) == PANEL,
-                "decode_layer: panels bf16 or int8 [N / 16, K, 16], contiguous");
-    TORCH_CHECK(w.scalar_type() != at::kChar || s.numel() == N, "decode_layer: int8 panels need one scale per row");
-    return matmul_panels_any(x, M, K, w, w.scalar_type() == at::kChar ? f32(s, "scales") : nullptr, y, false);
-  }
+  if (w.dim() == 3) return matmul_panels_any(x, M, K, w, check_panels(w, K, s, "decode_layer"), y, false);
   if (w.is_mkldnn()) {
     static const auto packed = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
     TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(1) == K, "decode_layer: packed weights are oneDNN's bf16 [N, K]");
