@@ -331,10 +331,10 @@ static void matmul_into(const float* xp, int64_t M, int64_t K, const W* wp, cons
 // (pack_panels) and read by every reader of the weight (panel_rows: a tied table's lookups, the dequantized weight);
 // one copy of the weights.
 constexpr int PANEL = 16;
-// where each of a panel's 16 rows sits among its 16 weights of one k. bf16 is widened by unpacking under zero
-// (vpunpcklwd / vpunpckhwd), which works within each 128-bit half: the low words of both halves (slots 0-3, 8-11) widen
-// to rows 0-7 and the high ones to rows 8-15. int8 is sign-extended 8 bytes at a time: in order
-static constexpr int BF16_SLOT[PANEL] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+// where each of a panel's 16 rows sits among its 16 weights of one k. bf16 is widened as 8 dwords: each one's low word
+// shifted up is one fp32 (rows 0-7 in the even slots), its high word masked is another (rows 8-15 in the odd slots).
+// int8 is sign-extended 8 bytes at a time: in order
+static constexpr int BF16_SLOT[PANEL] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
 template <typename W> static inline int panel_slot(int r) { return std::is_same_v<W, int8_t> ? r : BF16_SLOT[r]; }
 constexpr int64_t PANEL_BLOCK = 4;      // panels kept in L2 while every group of rows passes over them
 static int64_t out_rows(const at::Tensor& w) { return w.dim() == 3 ? w.size(0) * PANEL : w.size(0); }
@@ -354,8 +354,8 @@ static void panels_generic(const float* x, int64_t M, int64_t K, const W* w, con
 #if defined(__AVX512F__) || defined(LLM_AVX2)
 // one k's 16 weights of a panel as two fp32 vectors: rows 0-7, rows 8-15
 static inline void panel_widen(const at::BFloat16* p, __m256& w0, __m256& w1) {
-  const __m256i z = _mm256_setzero_si256(), v = _mm256_loadu_si256((const __m256i*)p);
-  w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v)); w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
+  const __m256i v = _mm256_loadu_si256((const __m256i*)p);
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); w1 = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 static inline void panel_widen(const int8_t* p, __m256& w0, __m256& w1) {
   w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
