@@ -55,9 +55,10 @@ constexpr int RB = 4;   // rows of x per pass: U * RB accumulators stay in regis
 
 // M rows in as few groups of at most `most` as can be, of sizes as equal as can be (32 rows by 5: 5, 5, 5, 5, 4, 4, 4,
 // not six 5s and a 2): f(first row, rows)
+static inline int64_t group_count(int64_t M, int64_t most) { return (M + most - 1) / most; }
 template <typename F>
 static void row_groups(int64_t M, int64_t most, const F& f) {
-  const int64_t G = (M + most - 1) / most, base = M / G, extra = M % G;
+  const int64_t G = group_count(M, most), base = M / G, extra = M % G;
   for (int64_t g = 0, m = 0; g < G; ++g) { const int64_t r = base + (g < extra); f(m, r); m += r; }
 }
 
@@ -405,15 +406,15 @@ static void panels_avx2(const float* x, int64_t M, int64_t K, const W* w, const 
   static const F f[7] = {nullptr, panel_avx2<W, 1, 4>, panel_avx2<W, 2, 2>, panel_avx2<W, 3, 2>, panel_avx2<W, 4, 1>, panel_avx2<W, 5, 1>, panel_avx2<W, 6, 1>};
   const int64_t P = N / PANEL, lines = K * PANEL * (int64_t)sizeof(W) / 64;    // a panel's cache lines
   for (int64_t b = p0; b < p1; b += PANEL_BLOCK) {
-    const int64_t e = std::min(p1, b + PANEL_BLOCK), G = (M + 5) / 6;
-    int64_t g = 0;
+    const int64_t e = std::min(p1, b + PANEL_BLOCK), G = group_count(M, 6);
+    int64_t g = 0;      // the group row_groups is at
     row_groups(M, 6, [&](int64_t m, int64_t r) {     // at most 6 rows: 12 accumulators
       for (int64_t p = b; p < e; ++p) {
         // the panel as far ahead as these are long (most often this thread's next ones): group g of the G asks for
         // its share of it into L2, so that the first group there does not wait on memory (it did: a quarter of the
         // 6-row kernel's samples sat on its weight load, in perf). Groups of at most 3 rows stream their weights with
         // hints of their own (above). SmolLM2, 32 prompts x 64 tokens, AVX2 forced on the Zen 4, alternated with
-        // HEAD's step (this and paged_decode.cpp's first read together): 452 / 435 / 408 -> 508 / 484 / 491 tok/s, the same tokens
+        // 58bc9c2's step (this and paged_decode.cpp's first read together): 452 / 435 / 408 -> 508 / 484 / 491 tok/s, the same tokens
         const int64_t ahead = p + (e - b), l0 = lines * g / G, l1 = lines * (g + 1) / G;
         const char* pf = ahead < P ? (const char*)(w + ahead * K * PANEL) + 64 * l0 : nullptr;
         f[r](x + m * K, K, w + p * K * PANEL, sc ? sc + p * PANEL : nullptr, y + m * N + p * PANEL, N, pf, pf ? l1 - l0 : 0);

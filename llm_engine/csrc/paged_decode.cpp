@@ -218,17 +218,17 @@ static void decode_one(T* ob_t, const T* qb_t, const C* kp, const C* vp, const f
   // one loop of independent loads, which keeps many misses in flight, and the hints then lift each block from L2 to
   // L1 ahead of its use. SmolLM2's heads, 32 rows of 150-300 keys, 30 layers' caches in turn (a step's pattern): 611
   // -> 393 us a call with AVX2, 519 -> 367 with AVX-512; a cache already in L3 pays the loop (383 -> 412 us)
-  const int64_t bbytes = bs * kt * (int64_t)sizeof(C), vbytes = bs * vt * (int64_t)sizeof(C);
-  auto prefetch = [&](const C* base, int64_t stride, int64_t i) {
+  const int64_t kbytes = bs * kt * (int64_t)sizeof(C), vbytes = bs * vt * (int64_t)sizeof(C);
+  auto prefetch = [&](const C* base, int64_t stride, int64_t bytes, int64_t i) {
     if (i >= nblk) return;
     const char* p = (const char*)(base + table[i] * stride);
-    for (int64_t off = 0; off < (base == kp ? bbytes : vbytes); off += 64) __builtin_prefetch(p + off);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
   };
   if (touch) {
     unsigned acc = 0;
     for (int64_t i = i0; i < nblk; ++i) {
       const char *pk = (const char*)(kp + table[i] * kb), *pv = (const char*)(vp + table[i] * vb);
-      for (int64_t off = 0; off < bbytes || off < vbytes; off += 64) acc += (off < bbytes ? pk[off] : 0) + (off < vbytes ? pv[off] : 0);
+      for (int64_t off = 0; off < kbytes || off < vbytes; off += 64) acc += (off < kbytes ? pk[off] : 0) + (off < vbytes ? pv[off] : 0);
     }
     static thread_local volatile unsigned sink; sink = acc;     // the loads must happen: their sum goes somewhere
   }
@@ -237,9 +237,9 @@ static void decode_one(T* ob_t, const T* qb_t, const C* kp, const C* vp, const f
   s.resize(H * L); qo.resize(2 * H * D);
   float* qb = qo.data(); float* ob = qb + H * D;    // the query and the output row in fp32
   for (int64_t i = h0 * D; i < h1 * D; ++i) qb[i] = static_cast<float>(qb_t[i]);
-  prefetch(kp, kb, i0); prefetch(kp, kb, i0 + 1);
+  prefetch(kp, kb, kbytes, i0); prefetch(kp, kb, kbytes, i0 + 1);
   for (int64_t i = i0; i < nblk; ++i) {           // scores: every head against each key row of block i
-    prefetch(kp, kb, i + 2);
+    prefetch(kp, kb, kbytes, i + 2);
     const C* blk = kp + table[i] * kb;
     const int64_t l0 = i * bs, n = std::min(bs, L - l0);
 #if defined(__AVX512F__) || defined(LLM_AVX2)
@@ -286,9 +286,9 @@ static void decode_one(T* ob_t, const T* qb_t, const C* kp, const C* vp, const f
     for (int64_t l = L0; l < L; ++l) sh[l] *= inv;
   }
   std::fill(ob + h0 * D, ob + h1 * D, 0.f);      // weighted sum of the value rows, block by block
-  prefetch(vp, vb, i0); prefetch(vp, vb, i0 + 1);
+  prefetch(vp, vb, vbytes, i0); prefetch(vp, vb, vbytes, i0 + 1);
   for (int64_t i = i0; i < nblk; ++i) {
-    prefetch(vp, vb, i + 2);
+    prefetch(vp, vb, vbytes, i + 2);
     const C* blk = vp + table[i] * vb;
     const int64_t l0 = i * bs, n = std::min(bs, L - l0);
 #if defined(__AVX512F__) || defined(LLM_AVX2)
