@@ -852,12 +852,9 @@ static void mm(const float* x, int64_t M, int64_t K, const at::Tensor& w, const 
 }
 
 template <typename T>
-static void store_qkv(const float* qkvp, T* qp, T* kc, T* vc, const int64_t* slp, int64_t M, int64_t Q, int64_t KV) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = qkvp + m * (Q + 2 * KV);
-    for (int64_t i = 0; i < Q; ++i) qp[m * Q + i] = static_cast<T>(row[i]);
-    for (int64_t i = 0; i < KV; ++i) { kc[slp[m] * KV + i] = static_cast<T>(row[Q + i]); vc[slp[m] * KV + i] = static_cast<T>(row[Q + KV + i]); }
-  }
+static void store_qkv_row(const float* row, T* qp, T* kc, T* vc, int64_t slot, int64_t Q, int64_t KV) {
+  for (int64_t i = 0; i < Q; ++i) qp[i] = static_cast<T>(row[i]);
+  for (int64_t i = 0; i < KV; ++i) { kc[slot * KV + i] = static_cast<T>(row[Q + i]); vc[slot * KV + i] = static_cast<T>(row[Q + KV + i]); }
 }
 
 // fp32 values rounded in place to the nearest bf16 (ties to even, NaN kept), as a cast to bf16 and back gives them
@@ -867,6 +864,14 @@ static void round_to_bf16(float* p, int64_t n) {
     u = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
     std::memcpy(p + i, &u, 4);
   }
+}
+
+// f(m) for each row m < M, the rows split between the threads: the work between a layer's matmuls ran on the main
+// thread alone while the other spun in libgomp (SmolLM2, 32 rows under AVX2: 15% of the worker's samples); a few rows stay
+// on one thread, where a parallel region costs more than it saves
+template <typename F>
+static void rows_for(int64_t M, const F& f) {
+  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) { for (int64_t m = m0; m < m1; ++m) f(m); });
 }
 
 // one layer on fp32 rows x [M, H]; `res` (fp32, this call's to write: the residual, or where the first layer starts it
@@ -890,32 +895,31 @@ static at::Tensor decode_layer(
   at::Tensor att = at::empty({M, nh, D}, topt), gu = at::empty({M, 2 * I}, opt), act = at::empty({M, I}, opt), y = at::empty({M, H}, opt);
   float *rp = res.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
   const float *xp = x.data_ptr<float>(), *w1 = f32(ln1, "ln1"), *w2 = f32(ln2, "ln2");
-  for (int64_t m = 0; m < M; ++m)      // the first layer has no residual yet: it starts as x
+  rows_for(M, [&](int64_t m) {      // the first layer has no residual yet: it starts as x
     add_rms_norm_row(has_res ? rp + m * H : xp + m * H, has_res ? xp + m * H : nullptr, rp + m * H, w1, hp + m * H, H, (float)eps);
+  });
   mm(hp, M, H, wqkv, sqkv, qkvp);
-  if (bqkv.numel()) {      // before RoPE, as the module adds it
-    const float* bp = f32(bqkv, "qkv bias");
-    for (int64_t m = 0; m < M; ++m) for (int64_t i = 0; i < Q + 2 * KV; ++i) qkvp[m * (Q + 2 * KV) + i] += bp[i];
-  }
-  const float *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>(); const int64_t* slp = sl.data_ptr<int64_t>();
-  for (int64_t m = 0; m < M; ++m)      // q's heads, then k's: adjacent in the row
-    for (int64_t hd = 0; hd < nh + nkv; ++hd) {
-      float* p = qkvp + m * (Q + 2 * KV) + hd * D;
-      rope_head(p, p, D / 2, cp + m * (D / 2), sp + m * (D / 2));
-    }
-  if (T == at::kFloat) store_qkv(qkvp, q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slp, M, Q, KV);
-  else store_qkv(qkvp, q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), slp, M, Q, KV);
+  const float *bp = bqkv.numel() ? f32(bqkv, "qkv bias") : nullptr, *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
+  const int64_t* slp = sl.data_ptr<int64_t>();
+  rows_for(M, [&](int64_t m) {      // rows write distinct cache slots
+    float* row = qkvp + m * (Q + 2 * KV);
+    if (bp) for (int64_t i = 0; i < Q + 2 * KV; ++i) row[i] += bp[i];      // before RoPE, as the module adds it
+    for (int64_t hd = 0; hd < nh + nkv; ++hd)      // q's heads, then k's: adjacent in the row
+      rope_head(row + hd * D, row + hd * D, D / 2, cp + m * (D / 2), sp + m * (D / 2));
+    if (T == at::kFloat) store_qkv_row(row, q.data_ptr<float>() + m * Q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slp[m], Q, KV);
+    else store_qkv_row(row, q.data_ptr<at::BFloat16>() + m * Q, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), slp[m], Q, KV);
+  });
   static auto decode = c10::Dispatcher::singleton().findSchemaOrThrow("llm_engine::paged_decode", "")
       .typed<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, double)>();
   decode.call(att, q, k_cache, v_cache, block_tables, context_lens, scale, 0, 0.0);
   const at::Tensor attf = att.to(at::kFloat).contiguous();
   mm(attf.data_ptr<float>(), M, Q, wo, so, y.data_ptr<float>());
-  for (int64_t m = 0; m < M; ++m) add_rms_norm_row(rp + m * H, y.data_ptr<float>() + m * H, rp + m * H, w2, hp + m * H, H, (float)eps);
-  float *gp = gu.data_ptr<float>(), *ap = act.data_ptr<float>();
+  float *yp = y.data_ptr<float>(), *gp = gu.data_ptr<float>(), *ap = act.data_ptr<float>();
+  rows_for(M, [&](int64_t m) { add_rms_norm_row(rp + m * H, yp + m * H, rp + m * H, w2, hp + m * H, H, (float)eps); });
   mm(hp, M, H, wgu, sgu, gp);
-  for (int64_t m = 0; m < M; ++m) silu_mul_row(gp + m * 2 * I, ap + m * I, I);
-  mm(ap, M, I, wd, sd, y.data_ptr<float>());
-  if (T == at::kBFloat16) { round_to_bf16(y.data_ptr<float>(), M * H); round_to_bf16(rp, M * H); }
+  rows_for(M, [&](int64_t m) { silu_mul_row(gp + m * 2 * I, ap + m * I, I); });
+  mm(ap, M, I, wd, sd, yp);
+  if (T == at::kBFloat16) rows_for(M, [&](int64_t m) { round_to_bf16(yp + m * H, H); round_to_bf16(rp + m * H, H); });
   return y;
 }
 
