@@ -74,7 +74,8 @@ class WeightOnlyLinear(nn.Module):
     def hold(self, w: torch.Tensor, panels_here=True, every_batch=True):
         "Register `w` `[out, in]` as `weight`: as panels where our vector kernel takes them (`panels_here`: the subclass's say), which then takes every batch."
         ops = torch.ops.llm_engine
-        self.panels = panels_here and self.kernel and w.device.type == "cpu" and w.shape[0] % ops.panel_height() == 0
+        self.panels = (panels_here and self.kernel and w.device.type == "cpu" and w.shape[0] % ops.panel_height() == 0
+                       and (w.dtype != torch.bfloat16 or w.shape[1] % 2 == 0))     # bf16 panels hold k's in pairs
         if self.panels and every_batch and ops.int8_linear_vectorized(): self.small_batch = EVERY_BATCH
         self.register_buffer("weight", ops.pack_panels(w) if self.panels else w)
     def rows(self, ids) -> torch.Tensor:
@@ -447,8 +448,8 @@ class FusedDecode:
         return x, residual
 
 def widen_bf16_linears(model: nn.Module) -> nn.Module:
-    "On a CPU without bf16 arithmetic, every bf16 `nn.Linear` becomes a `Bf16Linear` (our kernels widen its weights)."
-    if CPU_ISA.bf16 or load_step_kernels() is not None: return model
+    "Every bf16 `nn.Linear` on the CPU becomes a `Bf16Linear`: its weight in panels, read by our kernels (bf16 dot products, or widened to fp32)."
+    if load_step_kernels() is not None: return model
     emb, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
     tied = type(head) is nn.Linear and emb is not None and head.weight is emb.weight
     replace_linears(model, lambda lin, name: Bf16Linear(lin) if lin.weight.dtype == torch.bfloat16 and lin.weight.device.type == "cpu" else lin)

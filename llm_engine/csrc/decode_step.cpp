@@ -332,11 +332,13 @@ static void matmul_into(const float* xp, int64_t M, int64_t K, const W* wp, cons
 // (pack_panels) and read by every reader of the weight (panel_rows: a tied table's lookups, the dequantized weight);
 // one copy of the weights.
 constexpr int PANEL = 16;
-// where each of a panel's 16 rows sits among its 16 weights of one k. bf16 is widened as 8 dwords: each one's low word
-// shifted up is one fp32 (rows 0-7 in the even slots), its high word masked is another (rows 8-15 in the odd slots).
-// int8 is sign-extended 8 bytes at a time: in order
-static constexpr int BF16_SLOT[PANEL] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
-template <typename W> static inline int panel_slot(int r) { return std::is_same_v<W, int8_t> ? r : BF16_SLOT[r]; }
+// where weight (r, k) of a panel sits among its K * 16. int8: k by k, the 16 rows side by side (sign-extended 8 at a
+// time). bf16: two k's at a time, each row's pair adjacent ([K / 2][16][2], K even): the pairs AVX512_BF16's dot
+// product multiplies, and under AVX2 16 bytes widen to one k's 8 rows (each dword's low word shifted up: k even) or
+// the next k's (its high word masked: k odd)
+template <typename W> static inline int64_t panel_at(int64_t r, int64_t k) {
+  return std::is_same_v<W, int8_t> ? k * PANEL + r : (k >> 1) * 2 * PANEL + 2 * r + (k & 1);
+}
 constexpr int64_t PANEL_BLOCK = 4;      // panels kept in L2 while every group of rows passes over them
 static int64_t out_rows(const at::Tensor& w) { return w.dim() == 3 ? w.size(0) * PANEL : w.size(0); }
 
@@ -346,19 +348,23 @@ static void panels_generic(const float* x, int64_t M, int64_t K, const W* w, con
   for (int64_t p = p0; p < p1; ++p)
     for (int64_t m = 0; m < M; ++m) {
       const W* pw = w + p * K * PANEL;
-      for (int q = 0; q < PANEL; ++q) acc[q] = 0.f;
-      for (int64_t k = 0; k < K; ++k) for (int q = 0; q < PANEL; ++q) acc[q] += x[m * K + k] * static_cast<float>(pw[k * PANEL + q]);
-      for (int r = 0; r < PANEL; ++r) y[m * N + p * PANEL + r] = acc[panel_slot<W>(r)] * (sc ? sc[p * PANEL + r] : 1.f);
+      for (int r = 0; r < PANEL; ++r) acc[r] = 0.f;
+      for (int64_t k = 0; k < K; ++k) for (int r = 0; r < PANEL; ++r) acc[r] += x[m * K + k] * static_cast<float>(pw[panel_at<W>(r, k)]);
+      for (int r = 0; r < PANEL; ++r) y[m * N + p * PANEL + r] = acc[r] * (sc ? sc[p * PANEL + r] : 1.f);
     }
 }
 
 #if defined(__AVX512F__) || defined(LLM_AVX2)
-// one k's 16 weights of a panel as two fp32 vectors: rows 0-7, rows 8-15
-static inline void panel_widen(const at::BFloat16* p, __m256& w0, __m256& w1) {
-  const __m256i v = _mm256_loadu_si256((const __m256i*)p);
-  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); w1 = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
+// k's 16 weights of panel pw as two fp32 vectors: rows 0-7, rows 8-15
+static inline void panel_widen(const at::BFloat16* pw, int64_t k, __m256& w0, __m256& w1) {
+  const __m256i* p = (const __m256i*)(pw + (k & ~int64_t(1)) * PANEL);
+  const __m256i v0 = _mm256_loadu_si256(p), v1 = _mm256_loadu_si256(p + 1);
+  if (k & 1) { const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);
+               w0 = _mm256_castsi256_ps(_mm256_and_si256(v0, hi)); w1 = _mm256_castsi256_ps(_mm256_and_si256(v1, hi)); }
+  else { w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)); w1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)); }
 }
-static inline void panel_widen(const int8_t* p, __m256& w0, __m256& w1) {
+static inline void panel_widen(const int8_t* pw, int64_t k, __m256& w0, __m256& w1) {
+  const int8_t* p = pw + k * PANEL;
   w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
   w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
 }
@@ -374,7 +380,7 @@ static void panel_avx2(const float* x, int64_t K, const W* pw, const float* sc, 
   // the widened weights of k, multiplied into chain u (without the unroll pragmas GCC kept the accumulators on the
   // stack, stored every iteration)
 #define LLM_PANEL_K(k, u) { \
-    __m256 w0, w1; panel_widen(pw + PANEL * (k), w0, w1); \
+    __m256 w0, w1; panel_widen(pw, k, w0, w1); \
     _Pragma("GCC unroll 6") for (int r = 0; r < R; ++r) { \
       const __m256 xb = _mm256_broadcast_ss(x + r * K + (k)); \
       acc[u][r][0] = _mm256_fmadd_ps(w0, xb, acc[u][r][0]); \
@@ -425,8 +431,142 @@ static void panels_avx2(const float* x, int64_t M, int64_t K, const W* w, const 
 }
 #endif
 
+#if defined(__AVX512F__)
+// Where the CPU has AVX512_BF16 (asked at run time; compiled for it whatever -march says): bf16 panels by its dot
+// product, which multiplies a pair of k's for 16 rows in one instruction (32 products, where a fused multiply-add on
+// widened weights makes 16), on x rounded to bf16 once per matmul, as oneDNN's bf16 matmul rounds it. R rows of x as
+// k-pairs (1-12) by one panel: R U accumulators, U chains over the pairs where R is too few to hide the latency.
+// Prefetch as panel_avx2's: hints ahead of its own stream for a few rows, the next panel into L2 for more
+template <typename Y, int R, int U>
+__attribute__((target("avx512bf16")))
+static void panel_dp(const int32_t* x, int64_t K2, const at::BFloat16* pw, Y* y, int64_t N, const char* pf, int64_t pfn) {
+  __m512 acc[U][R];
+#pragma GCC unroll 4
+  for (int u = 0; u < U; ++u)
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
+  const int32_t* wp = (const int32_t*)pw;      // a k-pair of the panel: 16 dwords, one cache line
+#define LLM_DP_PAIR(j, u) { \
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(wp + PANEL * (j)); \
+    _Pragma("GCC unroll 12") for (int r = 0; r < R; ++r) \
+      acc[u][r] = _mm512_dpbf16_ps(acc[u][r], w, (__m512bh)_mm512_set1_epi32(x[r * K2 + (j)])); }
+  int64_t j = 0;
+  const int64_t every = std::max<int64_t>(1, K2 / U / std::max<int64_t>(1, pfn));
+  for (int64_t wait = every; j + U <= K2; j += U) {
+    if constexpr (R <= 3) for (int u = 0; u < U; ++u) _mm_prefetch((const char*)(wp + PANEL * (j + u)) + WEIGHT_PREFETCH, _MM_HINT_T0);
+    if constexpr (R > 3) if (pfn && --wait == 0) { _mm_prefetch(pf, _MM_HINT_T1); pf += 64; --pfn; wait = every; }
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) LLM_DP_PAIR(j + u, u)
+  }
+  for (; j < K2; ++j) LLM_DP_PAIR(j, 0)
+#undef LLM_DP_PAIR
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int u = 1; u < U; ++u) acc[0][r] = _mm512_add_ps(acc[0][r], acc[u][r]);
+    if constexpr (std::is_same_v<Y, float>) _mm512_storeu_ps(y + r * N, acc[0][r]);
+    else _mm256_storeu_si256((__m256i*)(y + r * N), (__m256i)_mm512_cvtneps_pbh(acc[0][r]));     // rounded to nearest even
+  }
+}
+
+// R rows (1-6) by NP panels side by side (1-4, a block): NP R accumulators, each broadcast of x serving NP panels. One
+// panel at a time, 12 rows, made as many broadcasts as products, and reached 270-340 GFLOP/s at 512 rows where
+// oneDNN's bf16 matmul made 370-430. The next block is asked for into L2 over the pass, as panels_avx2 does
+template <typename Y, int R, int NP>
+__attribute__((target("avx512bf16")))
+static void panel_dp_tile(const int32_t* x, int64_t K2, const at::BFloat16* pw, Y* y, int64_t N, const char* pf, int64_t pfn) {
+  __m512 acc[NP][R];
+#pragma GCC unroll 4
+  for (int q = 0; q < NP; ++q)
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) acc[q][r] = _mm512_setzero_ps();
+  const int32_t* wp = (const int32_t*)pw;
+  const int64_t ps = K2 * PANEL, every = std::max<int64_t>(1, K2 / std::max<int64_t>(1, pfn));     // dwords a panel
+  for (int64_t j = 0, wait = every; j < K2; ++j) {
+    if (pfn && --wait == 0) { _mm_prefetch(pf, _MM_HINT_T1); pf += 64; --pfn; wait = every; }
+    __m512bh w[NP];
+#pragma GCC unroll 4
+    for (int q = 0; q < NP; ++q) w[q] = (__m512bh)_mm512_loadu_si512(wp + q * ps + PANEL * j);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(x[r * K2 + j]);
+#pragma GCC unroll 4
+      for (int q = 0; q < NP; ++q) acc[q][r] = _mm512_dpbf16_ps(acc[q][r], w[q], b);
+    }
+  }
+#pragma GCC unroll 4
+  for (int q = 0; q < NP; ++q)
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      if constexpr (std::is_same_v<Y, float>) _mm512_storeu_ps(y + r * N + q * PANEL, acc[q][r]);
+      else _mm256_storeu_si256((__m256i*)(y + r * N + q * PANEL), (__m256i)_mm512_cvtneps_pbh(acc[q][r]));
+    }
+}
+
+constexpr int DP_FEW = 3, DP_ROWS = 6;     // up to DP_FEW rows one panel at a time (weights streamed), else tiles of DP_ROWS
+template <typename Y>
+static void panels_dp(const int32_t* x, int64_t M, int64_t K, const at::BFloat16* w, Y* y, int64_t N, int64_t p0, int64_t p1) {
+  using F = void (*)(const int32_t*, int64_t, const at::BFloat16*, Y*, int64_t, const char*, int64_t);
+  const int64_t P = N / PANEL, K2 = K / 2;
+  if (M <= DP_FEW) {
+    static const F f[DP_FEW + 1] = {nullptr, panel_dp<Y, 1, 4>, panel_dp<Y, 2, 2>, panel_dp<Y, 3, 2>};
+    for (int64_t p = p0; p < p1; ++p) f[M](x, K2, w + p * K * PANEL, y + p * PANEL, N, nullptr, 0);
+    return;
+  }
+#define LLM_DP_TILES(R) panel_dp_tile<Y, R, 1>, panel_dp_tile<Y, R, 2>, panel_dp_tile<Y, R, 3>, panel_dp_tile<Y, R, 4>
+  static const F f[DP_ROWS][PANEL_BLOCK] = {{LLM_DP_TILES(1)}, {LLM_DP_TILES(2)}, {LLM_DP_TILES(3)}, {LLM_DP_TILES(4)}, {LLM_DP_TILES(5)}, {LLM_DP_TILES(6)}};
+#undef LLM_DP_TILES
+  const int64_t lines = K * PANEL * 2 / 64;      // a panel's cache lines
+  for (int64_t b = p0; b < p1; b += PANEL_BLOCK) {
+    const int64_t n = std::min(p1 - b, PANEL_BLOCK), G = group_count(M, DP_ROWS), ahead = std::min(P - (b + n), PANEL_BLOCK);
+    int64_t g = 0;
+    row_groups(M, DP_ROWS, [&](int64_t m, int64_t r) {      // group g of the G asks for its share of the next block
+      const int64_t l0 = lines * ahead * g / G, l1 = lines * ahead * (g + 1) / G;
+      const char* pf = ahead > 0 ? (const char*)(w + (b + n) * K * PANEL) + 64 * l0 : nullptr;
+      f[r - 1][n - 1](x + m * K2, K2, w + b * K * PANEL, y + m * N + b * PANEL, N, pf, pf ? l1 - l0 : 0);
+      ++g;
+    });
+  }
+}
+#endif
+
+// whether bf16 panels take the bf16 dot product here (else fp32 multiply-adds on the widened weights)
+static bool bf16_dot_product() {
+#if defined(__AVX512F__)
+  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+// fp32 values rounded to bf16 (ties to even, NaN kept), as a cast to bf16 gives them
+static void bf16_bits(const float* x, int64_t n, uint16_t* out) {
+  at::parallel_for(0, n, 1 << 14, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      uint32_t u; std::memcpy(&u, x + i, 4);
+      out[i] = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+  });
+}
+
+// y [M, N] (fp32 or bf16) = x [M, K] (bf16) times bf16 panels, by bf16 dot products (bf16_dot_product() must hold)
+template <typename Y>
+static void matmul_panels_dp(const uint16_t* xb, int64_t M, int64_t K, const at::BFloat16* wp, Y* yp, int64_t N) {
+#if defined(__AVX512F__)
+  balanced_for(N / PANEL, M <= DP_FEW ? 2 : PANEL_BLOCK, [&](int64_t p0, int64_t p1) { panels_dp((const int32_t*)xb, M, K, wp, yp, N, p0, p1); });
+#else
+  TORCH_CHECK(false, "bf16 dot products need the AVX-512 build");
+#endif
+}
+
 template <typename W>
 static void matmul_panels(const float* xp, int64_t M, int64_t K, const W* wp, const float* sp, float* yp, int64_t N, bool generic) {
+  if constexpr (std::is_same_v<W, at::BFloat16>) if (!generic && bf16_dot_product()) {
+    std::vector<uint16_t> xb(M * K);      // x rounded to bf16 once, read as k-pairs
+    bf16_bits(xp, M * K, xb.data());
+    return matmul_panels_dp(xb.data(), M, K, wp, yp, N);
+  }
   balanced_for(N / PANEL, 2, [&](int64_t p0, int64_t p1) {
 #if defined(__AVX512F__) || defined(LLM_AVX2)
     if (!generic) { panels_avx2(xp, M, K, wp, sp, yp, N, p0, p1); return; }
@@ -439,8 +579,8 @@ static void matmul_panels(const float* xp, int64_t M, int64_t K, const W* wp, co
 // scales' pointer (null for bf16)
 static const float* check_panels(const at::Tensor& w, int64_t K, const at::Tensor& s, const char* what) {
   const auto t = w.scalar_type();
-  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && (t == at::kBFloat16 || t == at::kChar) && w.size(1) == K && w.size(2) == PANEL,
-              what, ": panels are bf16 or int8 [N / 16, K, 16], contiguous, and x [M, K] shares their K");
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && (t == at::kBFloat16 || t == at::kChar) && w.size(1) == K && w.size(2) == PANEL &&
+              (t == at::kChar || K % 2 == 0), what, ": panels are bf16 (K even) or int8 [N / 16, K, 16], contiguous, and x [M, K] shares their K");
   TORCH_CHECK(t == at::kChar ? s.numel() == out_rows(w) && s.scalar_type() == at::kFloat && s.is_contiguous() : !s.numel(),
               what, ": panels are bf16 without scales, or int8 with one scale per output channel");
   return t == at::kChar ? s.data_ptr<float>() : nullptr;
@@ -458,8 +598,8 @@ static void pack_rows(const E* src, int64_t N, int64_t K, E* dst) {
   at::parallel_for(0, N / PANEL, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       for (int r = 0; r < PANEL; ++r) {
-        const E* row = src + (p * PANEL + r) * K; E* d = dst + p * K * PANEL + panel_slot<W>(r);
-        for (int64_t k = 0; k < K; ++k) d[k * PANEL] = row[k];
+        const E* row = src + (p * PANEL + r) * K; E* d = dst + p * K * PANEL;
+        for (int64_t k = 0; k < K; ++k) d[panel_at<W>(r, k)] = row[k];
       }
   });
 }
@@ -467,7 +607,8 @@ static void pack_rows(const E* src, int64_t N, int64_t K, E* dst) {
 // w [N, K] bf16 or int8 -> its panels [N / 16, K, 16] (N a multiple of 16)
 at::Tensor pack_panels(const at::Tensor& w_) {
   const auto t = w_.scalar_type();
-  TORCH_CHECK(w_.dim() == 2 && (t == at::kBFloat16 || t == at::kChar) && w_.size(0) % PANEL == 0, "pack_panels: bf16 or int8 [N, K], N a multiple of 16");
+  TORCH_CHECK(w_.dim() == 2 && (t == at::kBFloat16 || t == at::kChar) && w_.size(0) % PANEL == 0 && (t == at::kChar || w_.size(1) % 2 == 0),
+              "pack_panels: bf16 or int8 [N, K], N a multiple of 16 (and K even for bf16)");
   const at::Tensor w = w_.contiguous();
   at::Tensor out = at::empty({w.size(0) / PANEL, w.size(1), PANEL}, w.options());
   if (t == at::kChar) pack_rows<int8_t, int8_t>(w.data_ptr<int8_t>(), w.size(0), w.size(1), out.data_ptr<int8_t>());
@@ -479,8 +620,8 @@ template <typename E, typename W>
 static void gather_rows(const E* src, const int64_t* ip, int64_t n, int64_t K, E* dst) {
   at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const E* s = src + ip[i] / PANEL * K * PANEL + panel_slot<W>(ip[i] % PANEL);
-      for (int64_t k = 0; k < K; ++k) dst[i * K + k] = s[k * PANEL];
+      const E* s = src + ip[i] / PANEL * K * PANEL; const int64_t r = ip[i] % PANEL;
+      for (int64_t k = 0; k < K; ++k) dst[i * K + k] = s[panel_at<W>(r, k)];
     }
   });
 }
@@ -505,6 +646,20 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& w_, const at::Ten
   const auto wt = w_.scalar_type();
   if (w_.dim() == 3) {      // panels [N / 16, K, 16]: bf16, or int8 with its scales
     TORCH_CHECK(x_.dim() == 2, "int8_linear: x is [M, K]");
+    if (wt == at::kBFloat16 && !generic && bf16_dot_product() && (x_.scalar_type() == at::kBFloat16 || x_.scalar_type() == at::kFloat)) {
+      // bf16 x read as it is, fp32 x rounded once; y written in x's dtype by the kernel (a prefill chunk's fp32 product,
+      // then cast, was a third of its gate/up matmul's time: fresh pages for 6 MB, and a pass over them)
+      check_panels(w_, x_.size(1), scales_, "int8_linear");
+      const at::Tensor x = x_.contiguous(), w = w_.contiguous();
+      const int64_t M = x.size(0), K = x.size(1), N = out_rows(w);
+      at::Tensor y = at::empty({M, N}, x.options());
+      at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : at::empty({M, K}, x.options().dtype(at::kBFloat16));
+      if (x.scalar_type() == at::kFloat) bf16_bits(x.data_ptr<float>(), M * K, (uint16_t*)xb.data_ptr<at::BFloat16>());
+      const uint16_t* xbp = (const uint16_t*)xb.data_ptr<at::BFloat16>();
+      if (x.scalar_type() == at::kFloat) matmul_panels_dp(xbp, M, K, w.data_ptr<at::BFloat16>(), y.data_ptr<float>(), N);
+      else matmul_panels_dp(xbp, M, K, w.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), N);
+      return y;
+    }
     const at::Tensor x = x_.to(at::kFloat).contiguous(), w = w_.contiguous(), sc = scales_.to(at::kFloat).contiguous();
     const float* sp = check_panels(w, x.size(1), sc, "int8_linear");
     at::Tensor y = at::empty({x.size(0), out_rows(w)}, x.options());
@@ -1107,6 +1262,8 @@ at::Tensor argmax_rows(const at::Tensor& x_) {
 }
 
 bool int8_linear_vectorized() { return has_vector_path(); }
+// the kernel bf16 panels take here, for the tests and the logs
+std::string bf16_panel_kernel() { return bf16_dot_product() ? "avx512_bf16 dot product" : has_vector_path() ? "fp32 fma" : "generic"; }
 int64_t panel_height() { return PANEL; }
 std::string step_kernels_isa() { return kernel_isa(); }
 
@@ -1115,6 +1272,7 @@ TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
   m.def("int8_linear_vectorized() -> bool", &int8_linear_vectorized);
   m.def("step_kernels_isa() -> str", &step_kernels_isa);
   m.def("panel_height() -> int", &panel_height);
+  m.def("bf16_panel_kernel() -> str", &bf16_panel_kernel);
   m.def("pack_panels(Tensor w) -> Tensor");
   m.def("panel_rows(Tensor panels, Tensor ids) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor w, bool generic=False) -> Tensor");
