@@ -471,16 +471,17 @@ def our_notes() -> dict:
             "oneDNN's u8 x s8 matmul")
     w8a8 = (f"int8 weights; from {one + 1} rows {w8a8}; {'bf16' if CPU_ISA.bf16 else 'fp32'} activations and KV cache (auto here); "
             f"one C++ call per layer at 1-{one} rows")
+    from llm_engine.precision import load_step_kernels
+    panels = load_step_kernels() is None and torch.ops.llm_engine.int8_linear_vectorized()
+    in_panels = "weights in 16-row panels, our kernel's outer products at every batch size, one C++ call per layer at every decode step"
     if CPU_ISA.bf16: return dict(
-        bf16=f"bf16 weights, activations and KV cache; one C++ call per layer at 1-{FusedDecode.BF16_ROWS} rows, oneDNN's bf16 matmul beyond",
+        bf16="bf16 weights, activations and KV cache; " + (in_panels.replace("outer products", torch.ops.llm_engine.bf16_panel_kernel() + "s")
+                                                           if panels else f"one C++ call per layer at 1-{FusedDecode.BF16_ROWS} rows, oneDNN's bf16 matmul beyond"),
         int8=f"int8 weight-only, fp32 activations; one C++ call per layer at 1-{one} rows, dequantized bf16 beyond",
         q4=f"{q4}; one C++ call per layer at 1-{one} rows, dequantized bf16 beyond", w8a8=w8a8)
     # no bf16 arithmetic (AVX2): every weight is widened to fp32 in registers, or per call for large batches
     wide = "an fp32 matmul on weights widened per call beyond"
-    from llm_engine.precision import load_step_kernels
-    panels = load_step_kernels() is None and torch.ops.llm_engine.int8_linear_vectorized()
     bf16 = "bf16 weights, activations and KV cache, fp32 arithmetic (no bf16 here): "
-    in_panels = "weights in 16-row panels, our kernel's outer products at every batch size, one C++ call per layer at every decode step"
     return dict(
         bf16=bf16 + (in_panels if panels else
                      f"one C++ call per layer at 1-{FusedDecode.BF16_ROWS} rows, our kernel to {Bf16Linear.small_batch} rows (two weight rows at a time from 4), {wide}"),
