@@ -434,33 +434,33 @@ static void panels_avx2(const float* x, int64_t M, int64_t K, const W* w, const 
 #if defined(__AVX512F__)
 // Where the CPU has AVX512_BF16 (asked at run time; compiled for it whatever -march says): bf16 panels by its dot
 // product, which multiplies a pair of k's for 16 rows in one instruction (32 products, where a fused multiply-add on
-// widened weights makes 16), on x rounded to bf16 once per matmul, as oneDNN's bf16 matmul rounds it. R rows of x as
-// k-pairs (1-12) by one panel: R U accumulators, U chains over the pairs where R is too few to hide the latency.
-// Prefetch as panel_avx2's: hints ahead of its own stream for a few rows, the next panel into L2 for more
+// widened weights makes 16), on x rounded to bf16 once per matmul, as oneDNN's bf16 matmul rounds it. Here R rows of x
+// as k-pairs (1-3: a step bound by reading weights) by one panel: U chains over the pairs hide the instruction's
+// latency, and each asks for its weights WEIGHT_PREFETCH bytes ahead
 template <typename Y, int R, int U>
 __attribute__((target("avx512bf16")))
-static void panel_dp(const int32_t* x, int64_t K2, const at::BFloat16* pw, Y* y, int64_t N, const char* pf, int64_t pfn) {
+static void panel_dp(const int32_t* x, int64_t K2, const at::BFloat16* pw, Y* y, int64_t N) {
   __m512 acc[U][R];
+  // the unroll pragmas keep the accumulators in registers (as in panel_avx2); a macro, not a lambda, for the pair: a
+  // lambda does not take the function's target, and the intrinsics would not inline
 #pragma GCC unroll 4
   for (int u = 0; u < U; ++u)
-#pragma GCC unroll 12
+#pragma GCC unroll 3
     for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
   const int32_t* wp = (const int32_t*)pw;      // a k-pair of the panel: 16 dwords, one cache line
 #define LLM_DP_PAIR(j, u) { \
     const __m512bh w = (__m512bh)_mm512_loadu_si512(wp + PANEL * (j)); \
-    _Pragma("GCC unroll 12") for (int r = 0; r < R; ++r) \
+    _Pragma("GCC unroll 3") for (int r = 0; r < R; ++r) \
       acc[u][r] = _mm512_dpbf16_ps(acc[u][r], w, (__m512bh)_mm512_set1_epi32(x[r * K2 + (j)])); }
   int64_t j = 0;
-  const int64_t every = std::max<int64_t>(1, K2 / U / std::max<int64_t>(1, pfn));
-  for (int64_t wait = every; j + U <= K2; j += U) {
-    if constexpr (R <= 3) for (int u = 0; u < U; ++u) _mm_prefetch((const char*)(wp + PANEL * (j + u)) + WEIGHT_PREFETCH, _MM_HINT_T0);
-    if constexpr (R > 3) if (pfn && --wait == 0) { _mm_prefetch(pf, _MM_HINT_T1); pf += 64; --pfn; wait = every; }
+  for (; j + U <= K2; j += U) {
+    for (int u = 0; u < U; ++u) _mm_prefetch((const char*)(wp + PANEL * (j + u)) + WEIGHT_PREFETCH, _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) LLM_DP_PAIR(j + u, u)
   }
   for (; j < K2; ++j) LLM_DP_PAIR(j, 0)
 #undef LLM_DP_PAIR
-#pragma GCC unroll 12
+#pragma GCC unroll 3
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
     for (int u = 1; u < U; ++u) acc[0][r] = _mm512_add_ps(acc[0][r], acc[u][r]);
@@ -509,8 +509,9 @@ static void panels_dp(const int32_t* x, int64_t M, int64_t K, const at::BFloat16
   using F = void (*)(const int32_t*, int64_t, const at::BFloat16*, Y*, int64_t, const char*, int64_t);
   const int64_t P = N / PANEL, K2 = K / 2;
   if (M <= DP_FEW) {
-    static const F f[DP_FEW + 1] = {nullptr, panel_dp<Y, 1, 4>, panel_dp<Y, 2, 2>, panel_dp<Y, 3, 2>};
-    for (int64_t p = p0; p < p1; ++p) f[M](x, K2, w + p * K * PANEL, y + p * PANEL, N, nullptr, 0);
+    using Few = void (*)(const int32_t*, int64_t, const at::BFloat16*, Y*, int64_t);
+    static const Few f[DP_FEW + 1] = {nullptr, panel_dp<Y, 1, 4>, panel_dp<Y, 2, 2>, panel_dp<Y, 3, 2>};
+    for (int64_t p = p0; p < p1; ++p) f[M](x, K2, w + p * K * PANEL, y + p * PANEL, N);
     return;
   }
 #define LLM_DP_TILES(R) panel_dp_tile<Y, R, 1>, panel_dp_tile<Y, R, 2>, panel_dp_tile<Y, R, 3>, panel_dp_tile<Y, R, 4>
