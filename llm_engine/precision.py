@@ -64,7 +64,7 @@ class WeightOnlyLinear(nn.Module):
     small_batch = 4 if CPU_ISA.bf16 else 24
     widen_large = not CPU_ISA.bf16     # large batches: fp32 matmul on the weight widened per call, not a bf16 copy
     keep_copy = True      # with bf16 arithmetic: keep the dequantized bf16 weight (False past a bound: `bound_dequantized_copies`)
-    panels = False        # the weight held as panels (csrc: Int8Linear's and Bf16Linear's on a CPU without bf16 arithmetic)
+    panels = False        # the weight held as panels (csrc: Bf16Linear's wherever the kernels compile, Int8Linear's on a CPU without bf16 arithmetic)
     def __init__(self, lin: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
@@ -152,7 +152,7 @@ class Int8Linear(WeightOnlyLinear):
         return out.copy_(w).mul_(s.to(out.dtype)[:, None])
 
 class Bf16Linear(WeightOnlyLinear):
-    "bf16 weights on a CPU without bf16 arithmetic (AVX2), widened to fp32 in our kernel: held as its panels (csrc) where it takes them."
+    "bf16 weights read by our kernel (bf16 dot products where the CPU has them, else widened to fp32): held as its panels (csrc) where it takes them."
     # in panels (16 output rows side by side for each k, the kernel's outer products) our AVX2 kernel takes every batch:
     # one core, weights cold, 79 GFLOP/s at 32 rows and 92 at 512, where rows two at a time gave 44-52 at 32 and MKL's
     # fp32 matmul on the weight widened per call was no faster at 512. Without panels (a row count not a multiple of 16,

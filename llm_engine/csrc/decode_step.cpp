@@ -541,14 +541,13 @@ static bool bf16_dot_product() {
 #endif
 }
 
-// fp32 values rounded to bf16 (ties to even, NaN kept), as a cast to bf16 gives them
+// an fp32 value's bf16 bits: rounded to nearest, ties to even, NaN kept (as a cast to bf16 gives them)
+static inline uint16_t bf16_of(float v) {
+  uint32_t u; std::memcpy(&u, &v, 4);
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
 static void bf16_bits(const float* x, int64_t n, uint16_t* out) {
-  at::parallel_for(0, n, 1 << 14, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      uint32_t u; std::memcpy(&u, x + i, 4);
-      out[i] = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-    }
-  });
+  at::parallel_for(0, n, 1 << 14, [&](int64_t i0, int64_t i1) { for (int64_t i = i0; i < i1; ++i) out[i] = bf16_of(x[i]); });
 }
 
 // y [M, N] (fp32 or bf16) = x [M, K] (bf16) times bf16 panels, by bf16 dot products (bf16_dot_product() must hold)
@@ -647,18 +646,13 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& w_, const at::Ten
   const auto wt = w_.scalar_type();
   if (w_.dim() == 3) {      // panels [N / 16, K, 16]: bf16, or int8 with its scales
     TORCH_CHECK(x_.dim() == 2, "int8_linear: x is [M, K]");
-    if (wt == at::kBFloat16 && !generic && bf16_dot_product() && (x_.scalar_type() == at::kBFloat16 || x_.scalar_type() == at::kFloat)) {
-      // bf16 x read as it is, fp32 x rounded once; y written in x's dtype by the kernel (a prefill chunk's fp32 product,
-      // then cast, was a third of its gate/up matmul's time: fresh pages for 6 MB, and a pass over them)
+    if (wt == at::kBFloat16 && !generic && bf16_dot_product() && x_.scalar_type() == at::kBFloat16) {
+      // bf16 x read as it is and y written in bf16 by the kernel (a prefill chunk's fp32 product, then cast, was a third
+      // of its gate/up matmul's time: fresh pages for 6 MB, and a pass over them); fp32 x takes the path below
       check_panels(w_, x_.size(1), scales_, "int8_linear");
       const at::Tensor x = x_.contiguous(), w = w_.contiguous();
-      const int64_t M = x.size(0), K = x.size(1), N = out_rows(w);
-      at::Tensor y = at::empty({M, N}, x.options());
-      at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : at::empty({M, K}, x.options().dtype(at::kBFloat16));
-      if (x.scalar_type() == at::kFloat) bf16_bits(x.data_ptr<float>(), M * K, (uint16_t*)xb.data_ptr<at::BFloat16>());
-      const uint16_t* xbp = (const uint16_t*)xb.data_ptr<at::BFloat16>();
-      if (x.scalar_type() == at::kFloat) matmul_panels_dp(xbp, M, K, w.data_ptr<at::BFloat16>(), y.data_ptr<float>(), N);
-      else matmul_panels_dp(xbp, M, K, w.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), N);
+      at::Tensor y = at::empty({x.size(0), out_rows(w)}, x.options());
+      matmul_panels_dp((const uint16_t*)x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), w.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), y.size(1));
       return y;
     }
     const at::Tensor x = x_.to(at::kFloat).contiguous(), w = w_.contiguous(), sc = scales_.to(at::kFloat).contiguous();
@@ -1015,11 +1009,7 @@ static void store_qkv_row(const float* row, T* qp, T* kc, T* vc, int64_t slot, i
 
 // fp32 values rounded in place to the nearest bf16 (ties to even, NaN kept), as a cast to bf16 and back gives them
 static void round_to_bf16(float* p, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u; std::memcpy(&u, p + i, 4);
-    u = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-    std::memcpy(p + i, &u, 4);
-  }
+  for (int64_t i = 0; i < n; ++i) { const uint32_t u = (uint32_t)bf16_of(p[i]) << 16; std::memcpy(p + i, &u, 4); }
 }
 
 // f(m) for each row m < M, the rows split between the threads: the work between a layer's matmuls ran on the main
