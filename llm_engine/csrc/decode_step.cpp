@@ -14,6 +14,7 @@
 #include <torch/library.h>
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <cmath>
 #include <string>
@@ -85,16 +86,25 @@ static void block_generic(const float* x, int64_t M, int64_t K, const W* w, cons
 }
 
 #if defined(__AVX512F__) || defined(LLM_AVX2)
-// The hardware prefetcher alone kept a one-row step well below the memory's bandwidth: each weight row is a few KB,
-// and the widening arithmetic between loads left too few misses in flight. Asking for the line WEIGHT_PREFETCH bytes
-// ahead (the next row's, near a row's end) measured, TinyLlama-1.1B's 88 int8 matmuls at one row streamed from
-// memory: 15.7 -> 18.6 GB/s on AVX-512, 11.5 -> 17.5 GB/s under AVX2 (the stream alone: 25 and 23). The Q4 kernels
-// below take the same distance (it was 256 bytes: their 88 matmuls 48.4 -> 35.9 ms on AVX-512, 92.0 -> 64.4 under AVX2)
-constexpr int64_t WEIGHT_PREFETCH = 2048;
+// The hardware prefetcher alone kept a one-row step well below the memory's bandwidth on the Intel Xeon: each weight
+// row is a few KB, and the widening arithmetic between loads left too few misses in flight. Asking for the line
+// `weight_prefetch` bytes ahead (the next row's, near a row's end) measured there, TinyLlama-1.1B's 88 int8 matmuls at
+// one row streamed from memory: 15.7 -> 18.6 GB/s on AVX-512, 11.5 -> 17.5 GB/s under AVX2 (the stream alone: 25 and
+// 23); the Q4 kernels' 88 matmuls 48.4 -> 35.9 ms on AVX-512, 92.0 -> 64.4 under AVX2. On the AMD EPYC (Zen 4) the same
+// hints cost time: one user, TinyLlama-1.1B's shape, requests alternated in one process with the hints on and off,
+// int8 1.21x and bf16 1.03x slower on AVX-512, bf16 1.10x under AVX2, q4 within 2% either way (SmolLM2 bf16 1.035x
+// slower). AMD's own prefetchers follow these streams, and the hints only take fill buffers: none on AMD by default.
+// LLM_ENGINE_WEIGHT_PREFETCH=<bytes> sets the distance (0: no hints) on any CPU, read once when the kernels load
+static int64_t default_weight_prefetch() {
+  if (const char* e = std::getenv("LLM_ENGINE_WEIGHT_PREFETCH")) return std::max<int64_t>(0, std::atoll(e));
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd") ? 0 : 2048;
+}
+static const int64_t weight_prefetch = default_weight_prefetch();
 // one prefetch per cache line of the n weights at w (one for less than a line)
 template <int n, typename W> static inline void prefetch_ahead(const W* w) {
   constexpr int lines = n * (int)sizeof(W) / 64 > 0 ? n * (int)sizeof(W) / 64 : 1;
-  for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)w + 64 * l + WEIGHT_PREFETCH, _MM_HINT_T0);
+  if (weight_prefetch) for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)w + 64 * l + weight_prefetch, _MM_HINT_T0);
 }
 #endif
 
@@ -369,7 +379,7 @@ static inline void panel_widen(const int8_t* pw, int64_t k, __m256& w0, __m256& 
   w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
 }
 // R rows of x (1-6) by one panel: 2 R U accumulators, U chains over k where R is too small to hide the FMA's latency;
-// with at most 3 rows the step is bound by reading weights and asks for them ahead (WEIGHT_PREFETCH, above)
+// with at most 3 rows the step is bound by reading weights and asks for them ahead (weight_prefetch, above)
 template <typename W, int R, int U>
 static void panel_avx2(const float* x, int64_t K, const W* pw, const float* sc, float* y, int64_t N, const char* pf, int64_t pfn) {
   __m256 acc[U][R][2];
@@ -389,7 +399,7 @@ static void panel_avx2(const float* x, int64_t K, const W* pw, const float* sc, 
   int64_t k = 0;
   const int64_t every = std::max<int64_t>(1, K / U / std::max<int64_t>(1, pfn));   // the pfn lines at pf, spread over the pass
   for (int64_t wait = every; k + U <= K; k += U) {
-    if constexpr (R <= 3) for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)(pw + PANEL * k) + 64 * l + WEIGHT_PREFETCH, _MM_HINT_T0);
+    if constexpr (R <= 3) if (weight_prefetch) for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)(pw + PANEL * k) + 64 * l + weight_prefetch, _MM_HINT_T0);
     if constexpr (R > 3) if (pfn && --wait == 0) { _mm_prefetch(pf, _MM_HINT_T1); pf += 64; --pfn; wait = every; }
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) LLM_PANEL_K(k + u, u)
@@ -436,7 +446,7 @@ static void panels_avx2(const float* x, int64_t M, int64_t K, const W* w, const 
 // product, which multiplies a pair of k's for 16 rows in one instruction (32 products, where a fused multiply-add on
 // widened weights makes 16), on x rounded to bf16 once per matmul, as oneDNN's bf16 matmul rounds it. Here R rows of x
 // as k-pairs (1-3: a step bound by reading weights) by one panel: U chains over the pairs hide the instruction's
-// latency, and each asks for its weights WEIGHT_PREFETCH bytes ahead
+// latency, and each asks for its weights weight_prefetch bytes ahead
 template <typename Y, int R, int U>
 __attribute__((target("avx512bf16")))
 static void panel_dp(const int32_t* x, int64_t K2, const at::BFloat16* pw, Y* y, int64_t N) {
@@ -454,7 +464,7 @@ static void panel_dp(const int32_t* x, int64_t K2, const at::BFloat16* pw, Y* y,
       acc[u][r] = _mm512_dpbf16_ps(acc[u][r], w, (__m512bh)_mm512_set1_epi32(x[r * K2 + (j)])); }
   int64_t j = 0;
   for (; j + U <= K2; j += U) {
-    for (int u = 0; u < U; ++u) _mm_prefetch((const char*)(wp + PANEL * (j + u)) + WEIGHT_PREFETCH, _MM_HINT_T0);
+    if (weight_prefetch) for (int u = 0; u < U; ++u) _mm_prefetch((const char*)(wp + PANEL * (j + u)) + weight_prefetch, _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) LLM_DP_PAIR(j + u, u)
   }
@@ -818,7 +828,7 @@ static void row_q4_avx512(const Q4Acts& a, int64_t m0, int64_t K, const uint8_t*
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < S; ++g) {
     const uint8_t* grp = q4_group(wr, g); const int nb = q4_blocks(G, g);
-    for (int l = 0; l < 5; ++l) _mm_prefetch((const char*)grp + 64 * l + WEIGHT_PREFETCH, _MM_HINT_T0);
+    if (weight_prefetch) for (int l = 0; l < 5; ++l) _mm_prefetch((const char*)grp + 64 * l + weight_prefetch, _MM_HINT_T0);
     if (nb > 8) q4_group_avx512<R, false>(a, m0, grp, nb, g, acc);
     else q4_group_avx512<R, true>(a, m0, grp, nb, g, acc);
   }
@@ -836,7 +846,7 @@ static void row_q4_avx2(const Q4Acts& a, int64_t m0, int64_t K, const uint8_t* w
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < S; ++g) {
     const uint8_t* grp = q4_group(wr, g); const int nb = q4_blocks(G, g);
-    for (int l = 0; l < 5; ++l) _mm_prefetch((const char*)grp + 64 * l + WEIGHT_PREFETCH, _MM_HINT_T0);
+    if (weight_prefetch) for (int l = 0; l < 5; ++l) _mm_prefetch((const char*)grp + 64 * l + weight_prefetch, _MM_HINT_T0);
     for (int h = 0; 8 * h < nb; ++h) {
       const int nh = std::min(8, nb - 8 * h);
       const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(nh), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -1256,6 +1266,12 @@ bool int8_linear_vectorized() { return has_vector_path(); }
 // the kernel bf16 panels take here, for the tests and the logs
 std::string bf16_panel_kernel() { return bf16_dot_product() ? "avx512_bf16 dot product" : has_vector_path() ? "fp32 fma" : "generic"; }
 int64_t panel_height() { return PANEL; }
+// how far ahead the few-row kernels ask for weights, in bytes (0: not at all), for the tests and the logs
+#if defined(__AVX512F__) || defined(LLM_AVX2)
+int64_t weight_prefetch_bytes() { return weight_prefetch; }
+#else
+int64_t weight_prefetch_bytes() { return 0; }
+#endif
 std::string step_kernels_isa() { return kernel_isa(); }
 
 TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
@@ -1265,6 +1281,7 @@ TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
   m.def("panel_height() -> int", &panel_height);
   m.def("bf16_panel_kernel() -> str", &bf16_panel_kernel);
   m.def("pack_panels(Tensor w) -> Tensor");
+  m.def("weight_prefetch_bytes() -> int", &weight_prefetch_bytes);
   m.def("panel_rows(Tensor panels, Tensor ids) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor w, bool generic=False) -> Tensor");
   m.def("q4_dequantize(Tensor w, Tensor(a!) out) -> ()");
