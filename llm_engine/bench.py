@@ -474,10 +474,12 @@ def our_notes() -> dict:
     from llm_engine.precision import load_step_kernels
     panels = load_step_kernels() is None and torch.ops.llm_engine.int8_linear_vectorized()
     in_panels = "weights in 16-row panels, our kernel's outer products at every batch size, one C++ call per layer at every decode step"
+    i16 = (" (rounded to int16 per row for AVX512_VNNI's 16-bit dot product in our kernel)"
+           if panels and "int16" in torch.ops.llm_engine.int8_row_kernel() else "")
     if CPU_ISA.bf16: return dict(
         bf16="bf16 weights, activations and KV cache; " + (in_panels.replace("outer products", torch.ops.llm_engine.bf16_panel_kernel() + "s")
                                                            if panels else f"one C++ call per layer at 1-{FusedDecode.BF16_ROWS} rows, oneDNN's bf16 matmul beyond"),
-        int8=f"int8 weight-only, fp32 activations; one C++ call per layer at 1-{one} rows, dequantized bf16 beyond",
+        int8=f"int8 weight-only, fp32 activations{i16}; one C++ call per layer at 1-{one} rows, dequantized bf16 beyond",
         q4=f"{q4}; one C++ call per layer at 1-{one} rows, dequantized bf16 beyond", w8a8=w8a8)
     # no bf16 arithmetic (AVX2): every weight is widened to fp32 in registers, or per call for large batches
     wide = "an fp32 matmul on weights widened per call beyond"
