@@ -161,8 +161,8 @@ static void block_avx512(const float* x, int64_t M, int64_t K, const W* w, const
 // made three instructions (widen to int32, convert, multiply-add) of every 16 weights and read them at 24 GB/s on the
 // Zen 4, where bf16 weights streamed at 34 (TinyLlama-1.1B's shape, one user). A lane takes two products of at most
 // 127 * 32767 per instruction, and U chains share K: K up to 32768 stays inside int32
-static bool int16_dot_product() {
-  static const bool yes = __builtin_cpu_supports("avx512vnni");
+static bool int16_dot_product() {     // the widening to int16 is AVX512BW's (every CPU with AVX512_VNNI has it; asked all the same)
+  static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
   return yes;
 }
 constexpr int64_t VNNI_MAX_K = 32768;
