@@ -374,7 +374,16 @@ def resolve_isa(requested: str|None = None, cpu_flags=None) -> CpuIsa:
 # %% ../nbs/00_config.ipynb
 def apply_isa(isa: CpuIsa) -> CpuIsa:
     "Tell PyTorch, oneDNN and MKL about a forced ISA (before their first kernel runs; an earlier user choice wins)."
-    for name, value in (ISA_ENV[isa.name] if isa.forced else {}).items(): os.environ.setdefault(name, value)
+    # the switches a parent process set for its own override (named in LLM_ENGINE_ISA_SET) are not a user's choice: a
+    # child whose LLM_ENGINE_ISA differs replaces them (it kept the parent's before: LLM_ENGINE_ISA=generic under avx2
+    # ran PyTorch's AVX2 kernels)
+    ours, want = [n for n in os.environ.get("LLM_ENGINE_ISA_SET", "").split(",") if n], ISA_ENV[isa.name] if isa.forced else {}
+    for name in ours:
+        if name not in want: os.environ.pop(name, None)
+    mine = [name for name in want if name in ours or name not in os.environ]
+    for name in mine: os.environ[name] = want[name]
+    if mine: os.environ["LLM_ENGINE_ISA_SET"] = ",".join(mine)
+    else: os.environ.pop("LLM_ENGINE_ISA_SET", None)
     return isa
 
 CPU_ISA = apply_isa(resolve_isa())    # at import: a bad LLM_ENGINE_ISA stops here, with its reason
