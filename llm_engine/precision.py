@@ -75,7 +75,7 @@ class WeightOnlyLinear(nn.Module):
         "Register `w` `[out, in]` as `weight`: as panels where our vector kernel takes them (`panels_here`: the subclass's say), which then takes every batch."
         ops = torch.ops.llm_engine
         self.panels = (panels_here and self.kernel and w.device.type == "cpu" and w.shape[0] % ops.panel_height() == 0
-                       and (w.dtype != torch.bfloat16 or w.shape[1] % 2 == 0))     # bf16 panels hold k's in pairs
+                       and w.shape[1] % 2 == 0)     # panels hold k's in pairs
         if self.panels and every_batch and ops.int8_linear_vectorized(): self.small_batch = EVERY_BATCH
         self.register_buffer("weight", ops.pack_panels(w) if self.panels else w)
     def rows(self, ids) -> torch.Tensor:
@@ -133,13 +133,15 @@ class Int8Linear(WeightOnlyLinear):
     "int8 weights with one scale per output channel (symmetric, from the fp32 weights)."
     # AVX2: in panels, as `Bf16Linear`'s below, our kernel's outer products for every batch; without them (rows not a
     # multiple of 16) from 4 rows two weight rows at a time, 107-137 GFLOP/s at 24-128 rows on TinyLlama-1.1B's shapes
-    # where the row kernel gave 86-90 and MKL on the weight widened per call 47-132
+    # where the row kernel gave 86-90 and MKL on the weight widened per call 47-132. AVX512_VNNI: in panels too, by its
+    # 16-bit dot product for every batch (`int8_panel_kernel()`)
     small_batch = WeightOnlyLinear.small_batch if CPU_ISA.bf16 else 128
     def __init__(self, lin: nn.Linear):
         super().__init__(lin)
         q, scales = int8_rows(lin.weight)
+        vnni = self.kernel and "vnni" in torch.ops.llm_engine.int8_panel_kernel()
         # W8A8Linear's large batches stay its own (int8 activations)
-        self.hold(q, panels_here=not CPU_ISA.bf16, every_batch=type(self) is Int8Linear)
+        self.hold(q, panels_here=not CPU_ISA.bf16 or vnni, every_batch=type(self) is Int8Linear)
         self.register_buffer("scales", scales)
     def few_rows(self, x2):
         if self.kernel: return torch.ops.llm_engine.int8_linear(x2, self.weight, self.scales)

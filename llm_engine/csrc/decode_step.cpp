@@ -412,13 +412,11 @@ static void matmul_into(const float* xp, int64_t M, int64_t K, const W* wp, cons
 // (pack_panels) and read by every reader of the weight (panel_rows: a tied table's lookups, the dequantized weight);
 // one copy of the weights.
 constexpr int PANEL = 16;
-// where weight (r, k) of a panel sits among its K * 16. int8: k by k, the 16 rows side by side (sign-extended 8 at a
-// time). bf16: two k's at a time, each row's pair adjacent ([K / 2][16][2], K even): the pairs AVX512_BF16's dot
-// product multiplies, and under AVX2 16 bytes widen to one k's 8 rows (each dword's low word shifted up: k even) or
-// the next k's (its high word masked: k odd)
-template <typename W> static inline int64_t panel_at(int64_t r, int64_t k) {
-  return std::is_same_v<W, int8_t> ? k * PANEL + r : (k >> 1) * 2 * PANEL + 2 * r + (k & 1);
-}
+// where weight (r, k) of a panel sits among its K * 16: two k's at a time, each row's pair adjacent ([K / 2][16][2], K
+// even), bf16 and int8 alike: the pairs AVX512_BF16's and AVX512_VNNI's dot products multiply. Under AVX2 one k's 8 rows
+// come out of a dword per row: bf16's low word shifted up (k even) or its high word masked (k odd); int8's pair widened
+// to two int16 first, then the low one sign-extended (k even) or the high one shifted down (k odd)
+template <typename W> static inline int64_t panel_at(int64_t r, int64_t k) { return (k >> 1) * 2 * PANEL + 2 * r + (k & 1); }
 constexpr int64_t PANEL_BLOCK = 4;      // panels kept in L2 while every group of rows passes over them
 static int64_t out_rows(const at::Tensor& w) { return w.dim() == 3 ? w.size(0) * PANEL : w.size(0); }
 
@@ -444,9 +442,10 @@ static inline void panel_widen(const at::BFloat16* pw, int64_t k, __m256& w0, __
   else { w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)); w1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)); }
 }
 static inline void panel_widen(const int8_t* pw, int64_t k, __m256& w0, __m256& w1) {
-  const int8_t* p = pw + k * PANEL;
-  w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-  w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
+  const int8_t* p = pw + (k & ~int64_t(1)) * PANEL;
+  const __m256i v0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)), v1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 16)));
+  if (k & 1) { w0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(v0, 16)); w1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(v1, 16)); }
+  else { w0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v0, 16), 16)); w1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v1, 16), 16)); }
 }
 // R rows of x (1-6) by one panel: 2 R U accumulators, U chains over k where R is too small to hide the FMA's latency;
 // with at most 3 rows the step is bound by reading weights and asks for them ahead (weight_prefetch, above)
@@ -611,6 +610,127 @@ static void panels_dp(const int32_t* x, int64_t M, int64_t K, const at::BFloat16
 }
 #endif
 
+#if defined(__AVX512F__)
+// int8 panels by AVX512_VNNI's 16-bit dot product (int16_dot_product()): 32 bytes a k-pair of a panel, widened to int16
+// in one instruction, against x rounded to int16 once per matmul (a scale per row, as row_vnni above) and read as pairs;
+// the same shapes as the bf16 kernels above (a few rows one panel at a time, else tiles of rows by a block of panels).
+// Here a lane holds one output row's whole sum, two products of at most 127 * 32767 an instruction, so int32 would
+// overflow past 258 pairs: every VNNI_WINDOW pairs the sums move into fp32. Each output is scaled once at the end
+constexpr int64_t VNNI_WINDOW = 256;
+constexpr int VNNI_ROWS = 4;      // rows of a tile
+static inline __m512i pair16(const int8_t* pw, int64_t j) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(pw + 2 * PANEL * j))); }
+
+template <int R, int U>
+__attribute__((target("avx512vnni,avx512bw")))
+static void panel_vnni(const int32_t* x, const float* xs, int64_t K2, const int8_t* pw, const float* ws, float* y, int64_t N) {
+  __m512 f[R];
+  __m512i acc[U][R];
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
+#define LLM_VNNI_PAIR(j, u) { const __m512i w = pair16(pw, j); \
+    _Pragma("GCC unroll 3") for (int r = 0; r < R; ++r) acc[u][r] = _mm512_dpwssd_epi32(acc[u][r], w, _mm512_set1_epi32(x[r * K2 + (j)])); }
+  for (int64_t j0 = 0; j0 < K2; j0 += VNNI_WINDOW) {
+    const int64_t j1 = std::min(K2, j0 + VNNI_WINDOW);
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u)
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_si512();
+    int64_t j = j0;
+    for (; j + U <= j1; j += U) {
+      if (weight_prefetch) _mm_prefetch((const char*)(pw + 2 * PANEL * j) + weight_prefetch, _MM_HINT_T0);
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) LLM_VNNI_PAIR(j + u, u)
+    }
+    for (; j < j1; ++j) LLM_VNNI_PAIR(j, 0)
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) f[r] = _mm512_add_ps(f[r], _mm512_cvtepi32_ps(acc[u][r]));
+  }
+#undef LLM_VNNI_PAIR
+  const __m512 s = _mm512_loadu_ps(ws);
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, _mm512_mul_ps(_mm512_mul_ps(f[r], s), _mm512_set1_ps(xs[r])));
+}
+
+// pairs j0..j1 (at most VNNI_WINDOW) of a tile into its fp32 sums f (first: set them): the int32 accumulators are this
+// function's own, as in panel_dp_tile (with the window loop around them in one function GCC kept them on the stack,
+// stored every pair: 240 GFLOP/s where the bf16 tiles made 450)
+template <int R, int NP>
+__attribute__((target("avx512vnni,avx512bw"), noinline))
+static void vnni_window(const int32_t* x, int64_t K2, const int8_t* pw, int64_t j0, int64_t j1, float (*f)[R][PANEL], bool first,
+                        const char*& pf, int64_t& pfn, int64_t every, int64_t& wait) {
+  __m512i acc[NP][R];
+#pragma GCC unroll 4
+  for (int q = 0; q < NP; ++q)
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) acc[q][r] = _mm512_setzero_si512();
+  const int64_t ps = K2 * 2 * PANEL;      // bytes a panel
+  for (int64_t j = j0; j < j1; ++j) {
+    if (pfn && --wait == 0) { _mm_prefetch(pf, _MM_HINT_T1); pf += 64; --pfn; wait = every; }
+    __m512i w[NP];
+#pragma GCC unroll 4
+    for (int q = 0; q < NP; ++q) w[q] = pair16(pw + q * ps, j);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512i b = _mm512_set1_epi32(x[r * K2 + j]);
+#pragma GCC unroll 4
+      for (int q = 0; q < NP; ++q) acc[q][r] = _mm512_dpwssd_epi32(acc[q][r], w[q], b);
+    }
+  }
+#pragma GCC unroll 4
+  for (int q = 0; q < NP; ++q)
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512 v = _mm512_cvtepi32_ps(acc[q][r]);
+      _mm512_store_ps(f[q][r], first ? v : _mm512_add_ps(_mm512_load_ps(f[q][r]), v));
+    }
+}
+
+template <int R, int NP>
+__attribute__((target("avx512vnni,avx512bw")))
+static void panel_vnni_tile(const int32_t* x, const float* xs, int64_t K2, const int8_t* pw, const float* ws, float* y, int64_t N,
+                            const char* pf, int64_t pfn) {
+  alignas(64) float f[NP][R][PANEL];      // the fp32 sums, in L1: with the int32 ones they would not fit the registers
+  const int64_t every = std::max<int64_t>(1, K2 / std::max<int64_t>(1, pfn));
+  int64_t wait = every;
+  for (int64_t j0 = 0; j0 < K2; j0 += VNNI_WINDOW) vnni_window<R, NP>(x, K2, pw, j0, std::min(K2, j0 + VNNI_WINDOW), f, j0 == 0, pf, pfn, every, wait);
+#pragma GCC unroll 4
+  for (int q = 0; q < NP; ++q) {
+    const __m512 s = _mm512_loadu_ps(ws + q * PANEL);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N + q * PANEL, _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(f[q][r]), s), _mm512_set1_ps(xs[r])));
+  }
+}
+
+// x [M, K] as int16 pairs with row scales xs, by int8 panels with scales ws: panels p0..p1 of y [M, N] (fp32)
+static void panels_vnni(const int32_t* x, const float* xs, int64_t M, int64_t K, const int8_t* w, const float* ws, float* y, int64_t N,
+                        int64_t p0, int64_t p1) {
+  const int64_t P = N / PANEL, K2 = K / 2;
+  if (M <= DP_FEW) {
+    using Few = void (*)(const int32_t*, const float*, int64_t, const int8_t*, const float*, float*, int64_t);
+    static const Few f[DP_FEW + 1] = {nullptr, panel_vnni<1, 4>, panel_vnni<2, 2>, panel_vnni<3, 2>};
+    for (int64_t p = p0; p < p1; ++p) f[M](x, xs, K2, w + p * K * PANEL, ws + p * PANEL, y + p * PANEL, N);
+    return;
+  }
+  using F = void (*)(const int32_t*, const float*, int64_t, const int8_t*, const float*, float*, int64_t, const char*, int64_t);
+#define LLM_VNNI_TILES(R) panel_vnni_tile<R, 1>, panel_vnni_tile<R, 2>, panel_vnni_tile<R, 3>, panel_vnni_tile<R, 4>
+  static const F f[VNNI_ROWS][PANEL_BLOCK] = {{LLM_VNNI_TILES(1)}, {LLM_VNNI_TILES(2)}, {LLM_VNNI_TILES(3)}, {LLM_VNNI_TILES(4)}};
+#undef LLM_VNNI_TILES
+  const int64_t lines = K * PANEL / 64;      // a panel's cache lines
+  for (int64_t b = p0; b < p1; b += PANEL_BLOCK) {
+    const int64_t n = std::min(p1 - b, PANEL_BLOCK), G = group_count(M, VNNI_ROWS), ahead = std::min(P - (b + n), PANEL_BLOCK);
+    int64_t g = 0;
+    row_groups(M, VNNI_ROWS, [&](int64_t m, int64_t r) {      // group g of the G asks for its share of the next block
+      const int64_t l0 = lines * ahead * g / G, l1 = lines * ahead * (g + 1) / G;
+      const char* pf = ahead > 0 ? (const char*)(w + (b + n) * K * PANEL) + 64 * l0 : nullptr;
+      f[r - 1][n - 1](x + m * K2, xs + m, K2, w + b * K * PANEL, ws + b * PANEL, y + m * N + b * PANEL, N, pf, pf ? l1 - l0 : 0);
+      ++g;
+    });
+  }
+}
+#endif
+
 // whether bf16 panels take the bf16 dot product here (else fp32 multiply-adds on the widened weights)
 static bool bf16_dot_product() {
 #if defined(__AVX512F__)
@@ -647,6 +767,17 @@ static void matmul_panels(const float* xp, int64_t M, int64_t K, const W* wp, co
     bf16_bits(xp, M * K, xb.data());
     return matmul_panels_dp(xb.data(), M, K, wp, yp, N);
   }
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<W, int8_t>) if (!generic && int16_dot_product()) {
+    thread_local std::vector<int16_t> xq; thread_local std::vector<float> xs;     // grown once
+    if ((int64_t)xq.size() < M * K) xq.resize(M * K);
+    if ((int64_t)xs.size() < M) xs.resize(M);
+    int16_t* q = xq.data(); float* qs = xs.data();
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { round_rows_int16(xp + m0 * K, m1 - m0, K, q + m0 * K, qs + m0); });
+    balanced_for(N / PANEL, M <= DP_FEW ? 2 : PANEL_BLOCK, [&](int64_t p0, int64_t p1) { panels_vnni((const int32_t*)q, qs, M, K, wp, sp, yp, N, p0, p1); });
+    return;
+  }
+#endif
   balanced_for(N / PANEL, 2, [&](int64_t p0, int64_t p1) {
 #if defined(__AVX512F__) || defined(LLM_AVX2)
     if (!generic) { panels_avx2(xp, M, K, wp, sp, yp, N, p0, p1); return; }
@@ -660,7 +791,7 @@ static void matmul_panels(const float* xp, int64_t M, int64_t K, const W* wp, co
 static const float* check_panels(const at::Tensor& w, int64_t K, const at::Tensor& s, const char* what) {
   const auto t = w.scalar_type();
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && (t == at::kBFloat16 || t == at::kChar) && w.size(1) == K && w.size(2) == PANEL &&
-              (t == at::kChar || K % 2 == 0), what, ": panels are bf16 (K even) or int8 [N / 16, K, 16], contiguous, and x [M, K] shares their K");
+              K % 2 == 0, what, ": panels are bf16 or int8 [N / 16, K, 16] (K even), contiguous, and x [M, K] shares their K");
   TORCH_CHECK(t == at::kChar ? s.numel() == out_rows(w) && s.scalar_type() == at::kFloat && s.is_contiguous() : !s.numel(),
               what, ": panels are bf16 without scales, or int8 with one scale per output channel");
   return t == at::kChar ? s.data_ptr<float>() : nullptr;
@@ -687,8 +818,8 @@ static void pack_rows(const E* src, int64_t N, int64_t K, E* dst) {
 // w [N, K] bf16 or int8 -> its panels [N / 16, K, 16] (N a multiple of 16)
 at::Tensor pack_panels(const at::Tensor& w_) {
   const auto t = w_.scalar_type();
-  TORCH_CHECK(w_.dim() == 2 && (t == at::kBFloat16 || t == at::kChar) && w_.size(0) % PANEL == 0 && (t == at::kChar || w_.size(1) % 2 == 0),
-              "pack_panels: bf16 or int8 [N, K], N a multiple of 16 (and K even for bf16)");
+  TORCH_CHECK(w_.dim() == 2 && (t == at::kBFloat16 || t == at::kChar) && w_.size(0) % PANEL == 0 && w_.size(1) % 2 == 0,
+              "pack_panels: bf16 or int8 [N, K], N a multiple of 16 and K even");
   const at::Tensor w = w_.contiguous();
   at::Tensor out = at::empty({w.size(0) / PANEL, w.size(1), PANEL}, w.options());
   if (t == at::kChar) pack_rows<int8_t, int8_t>(w.data_ptr<int8_t>(), w.size(0), w.size(1), out.data_ptr<int8_t>());
@@ -1336,6 +1467,13 @@ bool int8_linear_vectorized() { return has_vector_path(); }
 // the kernel bf16 panels take here, for the tests and the logs
 std::string bf16_panel_kernel() { return bf16_dot_product() ? "avx512_bf16 dot product" : has_vector_path() ? "fp32 fma" : "generic"; }
 int64_t panel_height() { return PANEL; }
+// the kernel int8 panels take here (every batch)
+std::string int8_panel_kernel() {
+#if defined(__AVX512F__)
+  if (int16_dot_product()) return "avx512_vnni int16 dot product";
+#endif
+  return has_vector_path() ? "fp32 fma" : "generic";
+}
 // the kernel a few rows of x take on plain int8 weights here (a K that is a multiple of 32, up to VNNI_MAX_K)
 std::string int8_row_kernel() {
 #if defined(__AVX512F__)
@@ -1360,6 +1498,7 @@ TORCH_LIBRARY_FRAGMENT(llm_engine, m) {
   m.def("pack_panels(Tensor w) -> Tensor");
   m.def("weight_prefetch_bytes() -> int", &weight_prefetch_bytes);
   m.def("int8_row_kernel() -> str", &int8_row_kernel);
+  m.def("int8_panel_kernel() -> str", &int8_panel_kernel);
   m.def("panel_rows(Tensor panels, Tensor ids) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor w, bool generic=False) -> Tensor");
   m.def("q4_dequantize(Tensor w, Tensor(a!) out) -> ()");
