@@ -412,11 +412,20 @@ static void matmul_into(const float* xp, int64_t M, int64_t K, const W* wp, cons
 // (pack_panels) and read by every reader of the weight (panel_rows: a tied table's lookups, the dequantized weight);
 // one copy of the weights.
 constexpr int PANEL = 16;
-// where weight (r, k) of a panel sits among its K * 16: two k's at a time, each row's pair adjacent ([K / 2][16][2], K
-// even), bf16 and int8 alike: the pairs AVX512_BF16's and AVX512_VNNI's dot products multiply. Under AVX2 one k's 8 rows
-// come out of a dword per row: bf16's low word shifted up (k even) or its high word masked (k odd); int8's pair widened
-// to two int16 first, then the low one sign-extended (k even) or the high one shifted down (k odd)
-template <typename W> static inline int64_t panel_at(int64_t r, int64_t k) { return (k >> 1) * 2 * PANEL + 2 * r + (k & 1); }
+// where weight (r, k) of a panel sits among its K * 16 (K even). bf16: two k's at a time, each row's pair adjacent
+// ([K / 2][16][2]): the pairs AVX512_BF16's dot product multiplies, and under AVX2 one k's 8 rows come out of a dword
+// per row, its low word shifted up (k even) or its high word masked (k odd). int8: the same pairs in the AVX-512 build,
+// which AVX512_VNNI's 16-bit dot product multiplies (without VNNI a pair is widened to two int16, then the low one
+// sign-extended or the high one shifted down); k by k in the AVX2 build, the 16 rows side by side, sign-extended 8 at
+// a time (pairs took 1.5x as long there at one row, on weights in cache: a widening and two shifts more a pair)
+#if defined(__AVX512F__)
+constexpr bool INT8_PAIRS = true;
+#else
+constexpr bool INT8_PAIRS = false;
+#endif
+template <typename W> static inline int64_t panel_at(int64_t r, int64_t k) {
+  return std::is_same_v<W, int8_t> && !INT8_PAIRS ? k * PANEL + r : (k >> 1) * 2 * PANEL + 2 * r + (k & 1);
+}
 constexpr int64_t PANEL_BLOCK = 4;      // panels kept in L2 while every group of rows passes over them
 static int64_t out_rows(const at::Tensor& w) { return w.dim() == 3 ? w.size(0) * PANEL : w.size(0); }
 
@@ -442,6 +451,12 @@ static inline void panel_widen(const at::BFloat16* pw, int64_t k, __m256& w0, __
   else { w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)); w1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)); }
 }
 static inline void panel_widen(const int8_t* pw, int64_t k, __m256& w0, __m256& w1) {
+  if constexpr (!INT8_PAIRS) {
+    const int8_t* p = pw + k * PANEL;
+    w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+    w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
+    return;
+  }
   const int8_t* p = pw + (k & ~int64_t(1)) * PANEL;
   const __m256i v0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)), v1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 16)));
   if (k & 1) { w0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(v0, 16)); w1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(v1, 16)); }
