@@ -597,11 +597,29 @@ static void panel_dp_tile(const int32_t* x, int64_t K2, const at::BFloat16* pw, 
     }
 }
 
+// the tiles' schedule (bf16's and int8's): blocks of up to PANEL_BLOCK panels of `bytes` each, every block passed by
+// groups of at most `rows` rows of x, group g of the G asking for its share of the next block into L2 as it goes;
+// tile(m, r, b, n, pf, pfn) runs rows m..m+r over panels b..b+n and asks for pfn lines at pf
+template <typename T>
+static void tile_blocks(int64_t M, int64_t N, int64_t p0, int64_t p1, int rows, int64_t bytes, const char* w, const T& tile) {
+  const int64_t P = N / PANEL, lines = bytes / 64;
+  for (int64_t b = p0; b < p1; b += PANEL_BLOCK) {
+    const int64_t n = std::min(p1 - b, PANEL_BLOCK), G = group_count(M, rows), ahead = std::min(P - (b + n), PANEL_BLOCK);
+    int64_t g = 0;
+    row_groups(M, rows, [&](int64_t m, int64_t r) {
+      const int64_t l0 = lines * ahead * g / G, l1 = lines * ahead * (g + 1) / G;
+      const char* pf = ahead > 0 ? w + (b + n) * bytes + 64 * l0 : nullptr;
+      tile(m, r, b, n, pf, pf ? l1 - l0 : 0);
+      ++g;
+    });
+  }
+}
+
 constexpr int DP_FEW = 3, DP_ROWS = 6;     // up to DP_FEW rows one panel at a time (weights streamed), else tiles of DP_ROWS
 template <typename Y>
 static void panels_dp(const int32_t* x, int64_t M, int64_t K, const at::BFloat16* w, Y* y, int64_t N, int64_t p0, int64_t p1) {
   using F = void (*)(const int32_t*, int64_t, const at::BFloat16*, Y*, int64_t, const char*, int64_t);
-  const int64_t P = N / PANEL, K2 = K / 2;
+  const int64_t K2 = K / 2;
   if (M <= DP_FEW) {
     using Few = void (*)(const int32_t*, int64_t, const at::BFloat16*, Y*, int64_t);
     static const Few f[DP_FEW + 1] = {nullptr, panel_dp<Y, 1, 4>, panel_dp<Y, 2, 2>, panel_dp<Y, 3, 2>};
@@ -611,17 +629,9 @@ static void panels_dp(const int32_t* x, int64_t M, int64_t K, const at::BFloat16
 #define LLM_DP_TILES(R) panel_dp_tile<Y, R, 1>, panel_dp_tile<Y, R, 2>, panel_dp_tile<Y, R, 3>, panel_dp_tile<Y, R, 4>
   static const F f[DP_ROWS][PANEL_BLOCK] = {{LLM_DP_TILES(1)}, {LLM_DP_TILES(2)}, {LLM_DP_TILES(3)}, {LLM_DP_TILES(4)}, {LLM_DP_TILES(5)}, {LLM_DP_TILES(6)}};
 #undef LLM_DP_TILES
-  const int64_t lines = K * PANEL * 2 / 64;      // a panel's cache lines
-  for (int64_t b = p0; b < p1; b += PANEL_BLOCK) {
-    const int64_t n = std::min(p1 - b, PANEL_BLOCK), G = group_count(M, DP_ROWS), ahead = std::min(P - (b + n), PANEL_BLOCK);
-    int64_t g = 0;
-    row_groups(M, DP_ROWS, [&](int64_t m, int64_t r) {      // group g of the G asks for its share of the next block
-      const int64_t l0 = lines * ahead * g / G, l1 = lines * ahead * (g + 1) / G;
-      const char* pf = ahead > 0 ? (const char*)(w + (b + n) * K * PANEL) + 64 * l0 : nullptr;
-      f[r - 1][n - 1](x + m * K2, K2, w + b * K * PANEL, y + m * N + b * PANEL, N, pf, pf ? l1 - l0 : 0);
-      ++g;
-    });
-  }
+  tile_blocks(M, N, p0, p1, DP_ROWS, K * PANEL * 2, (const char*)w, [&](int64_t m, int64_t r, int64_t b, int64_t n, const char* pf, int64_t pfn) {
+    f[r - 1][n - 1](x + m * K2, K2, w + b * K * PANEL, y + m * N + b * PANEL, N, pf, pfn);
+  });
 }
 #endif
 
@@ -721,7 +731,7 @@ static void panel_vnni_tile(const int32_t* x, const float* xs, int64_t K2, const
 // x [M, K] as int16 pairs with row scales xs, by int8 panels with scales ws: panels p0..p1 of y [M, N] (fp32)
 static void panels_vnni(const int32_t* x, const float* xs, int64_t M, int64_t K, const int8_t* w, const float* ws, float* y, int64_t N,
                         int64_t p0, int64_t p1) {
-  const int64_t P = N / PANEL, K2 = K / 2;
+  const int64_t K2 = K / 2;
   if (M <= DP_FEW) {
     using Few = void (*)(const int32_t*, const float*, int64_t, const int8_t*, const float*, float*, int64_t);
     static const Few f[DP_FEW + 1] = {nullptr, panel_vnni<1, 4>, panel_vnni<2, 2>, panel_vnni<3, 2>};
@@ -732,17 +742,9 @@ static void panels_vnni(const int32_t* x, const float* xs, int64_t M, int64_t K,
 #define LLM_VNNI_TILES(R) panel_vnni_tile<R, 1>, panel_vnni_tile<R, 2>, panel_vnni_tile<R, 3>, panel_vnni_tile<R, 4>
   static const F f[VNNI_ROWS][PANEL_BLOCK] = {{LLM_VNNI_TILES(1)}, {LLM_VNNI_TILES(2)}, {LLM_VNNI_TILES(3)}, {LLM_VNNI_TILES(4)}};
 #undef LLM_VNNI_TILES
-  const int64_t lines = K * PANEL / 64;      // a panel's cache lines
-  for (int64_t b = p0; b < p1; b += PANEL_BLOCK) {
-    const int64_t n = std::min(p1 - b, PANEL_BLOCK), G = group_count(M, VNNI_ROWS), ahead = std::min(P - (b + n), PANEL_BLOCK);
-    int64_t g = 0;
-    row_groups(M, VNNI_ROWS, [&](int64_t m, int64_t r) {      // group g of the G asks for its share of the next block
-      const int64_t l0 = lines * ahead * g / G, l1 = lines * ahead * (g + 1) / G;
-      const char* pf = ahead > 0 ? (const char*)(w + (b + n) * K * PANEL) + 64 * l0 : nullptr;
-      f[r - 1][n - 1](x + m * K2, xs + m, K2, w + b * K * PANEL, ws + b * PANEL, y + m * N + b * PANEL, N, pf, pf ? l1 - l0 : 0);
-      ++g;
-    });
-  }
+  tile_blocks(M, N, p0, p1, VNNI_ROWS, K * PANEL, (const char*)w, [&](int64_t m, int64_t r, int64_t b, int64_t n, const char* pf, int64_t pfn) {
+    f[r - 1][n - 1](x + m * K2, xs + m, K2, w + b * K * PANEL, ws + b * PANEL, y + m * N + b * PANEL, N, pf, pfn);
+  });
 }
 #endif
 
