@@ -190,15 +190,24 @@ static void row_vnni(const int16_t* x, const float* xs, int64_t K, const int8_t*
   }
 }
 
-// x [M, K] fp32 -> int16 with one scale per row (max |x| / 32767; 0 rows keep scale 0)
-static void round_rows_int16(const float* x, int64_t M, int64_t K, int16_t* q, float* scales) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * K; float a = 0.f;
-    for (int64_t k = 0; k < K; ++k) a = std::max(a, std::fabs(xr[k]));
-    const float sc = a / 32767.f, inv = a > 0.f ? 32767.f / a : 0.f;
-    for (int64_t k = 0; k < K; ++k) q[m * K + k] = (int16_t)std::nearbyint(xr[k] * inv);
-    scales[m] = sc;
-  }
+// x [M, K] fp32 -> int16 with one scale per row (max |x| / 32767; 0 rows keep scale 0), rows split between the threads,
+// into this thread's buffers (grown once, as xperm below): the rows (q) and their scales
+struct Int16Rows { const int16_t* q; const float* scales; };
+static Int16Rows round_rows_int16(const float* x, int64_t M, int64_t K) {
+  thread_local std::vector<int16_t> xq; thread_local std::vector<float> xs;
+  if ((int64_t)xq.size() < M * K) xq.resize(M * K);
+  if ((int64_t)xs.size() < M) xs.resize(M);
+  int16_t* q = xq.data(); float* scales = xs.data();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xr = x + m * K; float a = 0.f;
+      for (int64_t k = 0; k < K; ++k) a = std::max(a, std::fabs(xr[k]));
+      const float sc = a / 32767.f, inv = a > 0.f ? 32767.f / a : 0.f;
+      for (int64_t k = 0; k < K; ++k) q[m * K + k] = (int16_t)std::nearbyint(xr[k] * inv);
+      scales[m] = sc;
+    }
+  });
+  return {q, scales};
 }
 
 static void block_vnni(const int16_t* xq, const float* xs, int64_t M, int64_t K, const int8_t* w, const float* sc, float* y,
@@ -381,12 +390,8 @@ static void matmul_into(const float* xp, int64_t M, int64_t K, const W* wp, cons
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<W, int8_t>) {
     if (vec && int16_dot_product() && K % 32 == 0 && K <= VNNI_MAX_K) {
-      thread_local std::vector<int16_t> xq; thread_local std::vector<float> xs;     // grown once, as xperm below
-      if (xq.size() < size_t(M * K)) xq.resize(M * K);
-      if (xs.size() < size_t(M)) xs.resize(M);
-      int16_t* q = xq.data(); float* qs = xs.data();
-      round_rows_int16(xp, M, K, q, qs);
-      balanced_for(N, 32, [&](int64_t n0, int64_t n1) { block_vnni(q, qs, M, K, wp, sp, yp, N, n0, n1); });
+      const Int16Rows xr = round_rows_int16(xp, M, K);
+      balanced_for(N, 32, [&](int64_t n0, int64_t n1) { block_vnni(xr.q, xr.scales, M, K, wp, sp, yp, N, n0, n1); });
       return;
     }
   }
@@ -662,7 +667,7 @@ static void panel_vnni(const int32_t* x, const float* xs, int64_t K2, const int8
       for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_si512();
     int64_t j = j0;
     for (; j + U <= j1; j += U) {
-      if (weight_prefetch) _mm_prefetch((const char*)(pw + 2 * PANEL * j) + weight_prefetch, _MM_HINT_T0);
+      if (weight_prefetch) for (int l = 0; l < (U + 1) / 2; ++l) _mm_prefetch((const char*)(pw + 2 * PANEL * j) + 64 * l + weight_prefetch, _MM_HINT_T0);     // 2 pairs a line
 #pragma GCC unroll 4
       for (int u = 0; u < U; ++u) LLM_VNNI_PAIR(j + u, u)
     }
@@ -786,12 +791,8 @@ static void matmul_panels(const float* xp, int64_t M, int64_t K, const W* wp, co
   }
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<W, int8_t>) if (!generic && int16_dot_product()) {
-    thread_local std::vector<int16_t> xq; thread_local std::vector<float> xs;     // grown once
-    if ((int64_t)xq.size() < M * K) xq.resize(M * K);
-    if ((int64_t)xs.size() < M) xs.resize(M);
-    int16_t* q = xq.data(); float* qs = xs.data();
-    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { round_rows_int16(xp + m0 * K, m1 - m0, K, q + m0 * K, qs + m0); });
-    balanced_for(N / PANEL, M <= DP_FEW ? 2 : PANEL_BLOCK, [&](int64_t p0, int64_t p1) { panels_vnni((const int32_t*)q, qs, M, K, wp, sp, yp, N, p0, p1); });
+    const Int16Rows xr = round_rows_int16(xp, M, K);
+    balanced_for(N / PANEL, M <= DP_FEW ? 2 : PANEL_BLOCK, [&](int64_t p0, int64_t p1) { panels_vnni((const int32_t*)xr.q, xr.scales, M, K, wp, sp, yp, N, p0, p1); });
     return;
   }
 #endif
